@@ -1,0 +1,36 @@
+"""gunicorn settings for the llamapool frontend (``llamapool frontend``).
+
+Only gunicorn knobs live here; the app's own settings come from
+``LLAMAPOOL_*`` variables (see ``frontend/settings.py``).
+
+Never preload the app: each worker process must create its ZeroMQ context
+after the fork.
+"""
+
+import os
+
+bind = os.environ.get("LLAMAPOOL_BIND", "127.0.0.1:8080")
+
+# gthread: one thread per in-flight request. A streamed response holds its
+# thread for as long as the client reads, so threads bound the number of
+# concurrent streams per process.
+worker_class = "gthread"
+workers = int(os.environ.get("LLAMAPOOL_FRONTEND_PROCESSES", "2"))
+threads = int(os.environ.get("LLAMAPOOL_FRONTEND_THREADS", "64"))
+preload_app = False
+
+# Streams can be long; the worker-liveness timeout is unrelated to them
+# (gthread workers notify the arbiter from their main loop).
+timeout = 60
+graceful_timeout = int(os.environ.get("LLAMAPOOL_GRACEFUL_TIMEOUT_S", "20"))
+keepalive = 5
+
+# Request logs come from the app (one structured line each); gunicorn's own
+# error log goes to stderr.
+accesslog = None
+errorlog = "-"
+loglevel = os.environ.get("LLAMAPOOL_LOG_LEVEL", "info")
+
+# gunicorn's runtime control socket defaults to one fixed path per user, which
+# several frontends on one host (tests, one per port) would fight over.
+control_socket_disable = True

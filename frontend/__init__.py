@@ -1,0 +1,1 @@
+"""The HTTP door: the Falcon app, auth, the slot lease, SSE."""

@@ -1,0 +1,203 @@
+"""The Falcon app: ``create_app(settings)`` builds it and has no side effects.
+
+The broker link starts lazily on the first request that needs it, which is
+after gunicorn has forked this process.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+import falcon
+
+from frontend import openai_schema
+from frontend.auth import ApiKeyMiddleware
+from frontend.broker_link import BrokerLink
+from frontend.errors import BadRequest, PayloadTooLarge, install_error_handlers
+from frontend.generation import collect, start_job
+from frontend.openai_format import ResponseShaper
+from frontend.settings import FrontendSettings
+from frontend.sse import EventStreamBody
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+class RequestIdMiddleware:
+    """Honours a well-formed incoming X-Request-Id, else makes one."""
+
+    def process_request(self, req, resp) -> None:
+        incoming = req.get_header("X-REQUEST-ID")
+        req.context.request_id = (
+            incoming if incoming and _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        )
+        resp.set_header("X-Request-Id", req.context.request_id)
+
+
+def read_json_body(req: falcon.Request, limit_bytes: int):
+    """The parsed JSON body, enforcing the size limit before parsing."""
+    if req.content_length is not None and req.content_length > limit_bytes:
+        raise PayloadTooLarge(
+            f"the body is {req.content_length} bytes; the limit is {limit_bytes}"
+        )
+    raw = req.bounded_stream.read(limit_bytes + 1)
+    if len(raw) > limit_bytes:
+        raise PayloadTooLarge(f"the body is over the limit of {limit_bytes} bytes")
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError:
+        raise BadRequest("the body is not valid UTF-8") from None
+    except ValueError as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from None
+
+
+class GenerationResource:
+    """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+
+    def __init__(self, kind: str, link: BrokerLink, settings: FrontendSettings):
+        self.kind = kind
+        self.parse = (
+            openai_schema.parse_chat if kind == "chat" else openai_schema.parse_completion
+        )
+        self.link = link
+        self.settings = settings
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        s = self.settings
+        parsed = self.parse(read_json_body(req, s.max_body_bytes))
+        job = start_job(
+            self.link,
+            parsed.generation,
+            submit_timeout_s=s.submit_timeout_s,
+            frame_timeout_s=s.frame_timeout_s,
+        )
+        shaper = ResponseShaper(
+            self.kind,
+            req.context.request_id,
+            job.model or s.model_name or parsed.model or "llamapool",
+            parsed.include_usage,
+        )
+        resp.set_header("X-Slot-Id", str(job.slot_id))
+        if not parsed.stream:
+            text, final = collect(job, self.link, s.frame_timeout_s,
+                                  s.credit_batch_frames)
+            resp.media = shaper.whole(text, final.finish_reason, final.usage,
+                                      final.timings)
+            return
+        # From here on the body owns the lease.
+        resp.content_type = "text/event-stream"
+        resp.set_header("Cache-Control", "no-cache")
+        resp.set_header("X-Accel-Buffering", "no")
+        resp.stream = EventStreamBody(
+            job.lease,
+            job.stream,
+            shaper,
+            job.first,
+            frame_timeout_s=s.frame_timeout_s,
+            credit_batch_frames=s.credit_batch_frames,
+            send=self.link.send,
+            outcome=job.outcome,
+        )
+
+
+class ModelsResource:
+    """``GET /v1/models``: the models the live workers serve."""
+
+    def __init__(self, link: BrokerLink, settings: FrontendSettings):
+        self.link = link
+        self.settings = settings
+
+    def on_get(self, req, resp) -> None:
+        status = self.link.status(self.settings.health_timeout_s) or {"slots": []}
+        models: dict[str, dict] = {}
+        for slot in status["slots"]:
+            entry = models.setdefault(
+                slot["model"],
+                {"id": slot["model"], "object": "model", "created": 0,
+                 "owned_by": "llamapool", "meta": {"n_ctx": slot["n_ctx"],
+                                                   "engine": slot["engine"],
+                                                   "slots": 0}},
+            )
+            entry["meta"]["slots"] += 1
+        if not models and self.settings.model_name:
+            name = self.settings.model_name
+            models[name] = {"id": name, "object": "model", "created": 0,
+                            "owned_by": "llamapool"}
+        resp.media = {"object": "list", "data": list(models.values())}
+
+
+class HealthResource:
+    """``GET /health``: cheap, bounded by ``health_timeout_s``."""
+
+    def __init__(self, link: BrokerLink, settings: FrontendSettings):
+        self.link = link
+        self.settings = settings
+
+    def on_get(self, req, resp) -> None:
+        status = self.link.status(self.settings.health_timeout_s)
+        if status is None:
+            resp.status = 503
+            resp.media = {"error": {"code": 503, "message": "broker unreachable",
+                                    "type": "unavailable_error"}}
+            return
+        if status["slots_total"] == 0:
+            resp.status = 503
+            resp.media = {"error": {"code": 503, "message": "Loading model",
+                                    "type": "unavailable_error"}}
+            return
+        resp.media = {
+            "status": "ok",
+            "slots_idle": status["slots_free"],
+            "slots_processing": status["slots_total"] - status["slots_free"],
+        }
+
+
+class SlotsResource:
+    """``GET /slots``: every slot in the pool, from the broker's ledger."""
+
+    def __init__(self, link: BrokerLink, settings: FrontendSettings):
+        self.link = link
+        self.settings = settings
+
+    def on_get(self, req, resp) -> None:
+        status = self.link.status(self.settings.health_timeout_s)
+        if status is None:
+            resp.status = 503
+            resp.media = {"error": {"code": 503, "message": "broker unreachable",
+                                    "type": "unavailable_error"}}
+            return
+        resp.media = status["slots"]
+
+
+class LlamapoolApp(falcon.App):
+    """A Falcon app that also exposes its broker link (for hooks and tests)."""
+
+    link: BrokerLink
+
+
+def create_app(settings: FrontendSettings, link: BrokerLink | None = None) -> LlamapoolApp:
+    """Build the WSGI app. ``link`` may be injected by tests."""
+    link = link or BrokerLink(
+        settings.broker_endpoint,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        heartbeat_liveness=settings.heartbeat_liveness,
+    )
+    app = LlamapoolApp(
+        middleware=[RequestIdMiddleware(), ApiKeyMiddleware(settings.api_keys)],
+        cors_enable=False,
+    )
+    app.req_options.strip_url_path_trailing_slash = True
+    install_error_handlers(app)
+    completions = GenerationResource("completion", link, settings)
+    chat = GenerationResource("chat", link, settings)
+    models = ModelsResource(link, settings)
+    health = HealthResource(link, settings)
+    for prefix in ("", "/v1"):
+        app.add_route(f"{prefix}/completions", completions)
+        app.add_route(f"{prefix}/chat/completions", chat)
+        app.add_route(f"{prefix}/models", models)
+        app.add_route(f"{prefix}/health", health)
+    app.add_route("/slots", SlotsResource(link, settings))
+    app.link = link
+    return app

@@ -1,0 +1,62 @@
+"""API keys, as llama.cpp's server does them.
+
+A key is accepted in ``Authorization: Bearer <key>`` or ``X-Api-Key: <key>``.
+The public paths below need none. Keys are compared in constant time and
+never logged; only the last four characters of the first key are, at startup.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from frontend.errors import Unauthorized
+
+log = logging.getLogger("llamapool.frontend")
+
+PUBLIC_PATHS = frozenset(
+    {"/health", "/v1/health", "/models", "/v1/models", "/", "/index.html",
+     "/bundle.js", "/bundle.css"}
+)
+
+
+def key_suffix(key: str | None) -> str:
+    """What may be shown of a key: its last 4 characters."""
+    return key[-4:] if key else "-"
+
+
+def presented_key(headers_get) -> str | None:
+    """The key a request carries, from either header (Bearer wins)."""
+    auth = headers_get("AUTHORIZATION")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    api_key = headers_get("X-API-KEY")
+    return api_key.strip() if api_key else None
+
+
+def key_is_valid(candidate: str, keys: tuple[str, ...]) -> bool:
+    """Constant time in the candidate: every key is compared, no early exit."""
+    candidate_bytes = candidate.encode("utf-8", "surrogateescape")
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(candidate_bytes, key.encode("utf-8"))
+    return ok
+
+
+class ApiKeyMiddleware:
+    """Rejects requests to protected paths without a valid key (HTTP 401)."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = keys
+
+    def process_request(self, req, resp) -> None:
+        req.context.key_suffix = "-"
+        if not self.keys or req.path in PUBLIC_PATHS:
+            return
+        candidate = presented_key(req.get_header)
+        if candidate is None or not key_is_valid(candidate, self.keys):
+            req.context.rejected_reason = "auth"
+            raise Unauthorized()
+        req.context.key_suffix = key_suffix(candidate)

@@ -1,0 +1,107 @@
+"""OpenAI response objects for completions and chat, streamed or whole."""
+
+from __future__ import annotations
+
+import json
+import time
+
+
+def _dumps(obj: dict) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+class ResponseShaper:
+    """Builds the JSON a client expects for one request.
+
+    Args:
+        kind: ``completion`` or ``chat``.
+        request_id: used in the ``id`` field.
+        model: model name echoed back.
+        include_usage: stream a usage chunk before ``[DONE]``.
+    """
+
+    def __init__(self, kind: str, request_id: str, model: str,
+                 include_usage: bool = False) -> None:
+        self.kind = kind
+        self.chat = kind == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+        self._sent_role = False
+
+    def _chunk(self, choices: list, **extra) -> bytes:
+        obj = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+        if self.include_usage and "usage" not in obj:
+            obj["usage"] = None
+        return b"data: " + _dumps(obj).encode() + b"\n\n"
+
+    def _choice(self, text: str, finish_reason: str | None) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None,
+                    "finish_reason": finish_reason}
+        delta: dict = {}
+        if not self._sent_role:
+            delta["role"] = "assistant"
+            self._sent_role = True
+        if text or finish_reason is None:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    # --- streaming ---------------------------------------------------------------
+
+    def text_event(self, text: str) -> bytes:
+        return self._chunk([self._choice(text, None)])
+
+    def final_events(self, text: str, finish_reason: str, usage: dict,
+                     timings: dict) -> bytes:
+        out = self._chunk([self._choice(text, finish_reason)], timings=timings)
+        if self.include_usage:
+            out += self._chunk([], usage=public_usage(usage))
+        return out + b"data: [DONE]\n\n"
+
+    @staticmethod
+    def error_event(code: str, message: str, status: int) -> bytes:
+        """A terminating error: no ``[DONE]`` follows, so clients see a failure."""
+        body = {"error": {"message": message, "type": "server_error", "code": code,
+                          "status": status}}
+        return b"data: " + _dumps(body).encode() + b"\n\n"
+
+    # --- whole response ----------------------------------------------------------
+
+    def whole(self, text: str, finish_reason: str, usage: dict,
+              timings: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None,
+                      "finish_reason": finish_reason}
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": public_usage(usage),
+            "timings": timings,
+        }
+
+
+def public_usage(usage: dict) -> dict:
+    out = {
+        "prompt_tokens": usage.get("prompt_tokens", 0),
+        "completion_tokens": usage.get("completion_tokens", 0),
+        "total_tokens": usage.get("total_tokens", 0),
+    }
+    if "cached_tokens" in usage:
+        out["prompt_tokens_details"] = {"cached_tokens": usage["cached_tokens"]}
+    return out

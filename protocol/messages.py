@@ -1,0 +1,291 @@
+"""The llamapool wire protocol: one class per command, msgpack bodies.
+
+Every multipart message is::
+
+    [PROTOCOL_HEADER, command byte, msgpack body]
+
+(a ROUTER socket adds the peer identity in front). The body is a msgpack array
+of the message's fields in declaration order. New optional fields go at the
+end with defaults, so an older peer's shorter array still decodes.
+
+A job's frames are zero or more TOKEN followed by exactly one terminal frame,
+FINAL or ERROR (zguide MDP's PARTIAL... FINAL).
+
+Peers and what they send:
+
+* frontend -> broker: HELLO, SUBMIT, CANCEL, CREDIT, STATUS, HEARTBEAT
+* broker -> frontend: ACCEPTED, NO_SLOT, TOKEN, FINAL, ERROR, STATUS_REPLY,
+  HEARTBEAT, DISCONNECT
+* worker -> broker: READY, TOKEN, FINAL, ERROR, HEARTBEAT
+* broker -> worker: SUBMIT, CANCEL, CREDIT, HEARTBEAT, DISCONNECT
+
+``decode`` validates every field's type at the socket edge and raises
+``MalformedMessage``; callers log, count and drop. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import msgpack
+
+#: Protocol name and version. Bump the digits on any breaking change.
+PROTOCOL_HEADER = b"LLAMAPOOL01"
+
+#: Largest body accepted from the network. A SUBMIT carries the whole prompt,
+#: so this bounds what a peer can make us allocate.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class MalformedMessage(ValueError):
+    """A frame sequence that is not a valid message of this protocol version."""
+
+
+# Field kinds: a tuple of accepted Python types after msgpack decoding.
+_STR = (str,)
+_INT = (int,)
+_NUM = (int, float)
+_MAP = (dict,)
+_OPT_NUM = (int, float, type(None))
+_OPT_INT = (int, type(None))
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """Base class. Subclasses set ``COMMAND`` and declare typed fields."""
+
+    COMMAND: ClassVar[bytes]
+    #: field name -> accepted types; filled in by ``_register``.
+    FIELD_TYPES: ClassVar[dict[str, tuple[type, ...]]]
+
+    def to_wire(self) -> list[bytes]:
+        """Encode as the frames that follow any routing identity."""
+        body = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        return [PROTOCOL_HEADER, self.COMMAND, msgpack.packb(body)]
+
+    @classmethod
+    def from_body(cls, body: Any) -> Message:
+        """Build from a decoded msgpack body, checking every field."""
+        if not isinstance(body, list):
+            raise MalformedMessage(f"{cls.__name__}: body is not an array")
+        fields = dataclasses.fields(cls)
+        required = sum(
+            1
+            for f in fields
+            if f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        )
+        if len(body) < required:
+            raise MalformedMessage(
+                f"{cls.__name__}: {len(body)} fields, need {required}"
+            )
+        # Extra trailing fields come from a newer peer; ignore them.
+        values = {}
+        for field, value in zip(fields, body):
+            accepted = cls.FIELD_TYPES[field.name]
+            # bool is an int subclass; never accept it where a number is meant.
+            if not isinstance(value, accepted) or (
+                isinstance(value, bool) and bool not in accepted
+            ):
+                raise MalformedMessage(
+                    f"{cls.__name__}.{field.name}: {type(value).__name__}"
+                )
+            values[field.name] = value
+        return cls(**values)
+
+
+_BY_COMMAND: dict[bytes, type[Message]] = {}
+
+
+def _register(command: int, **field_types: tuple[type, ...]):
+    """Class decorator: bind a command byte and the accepted field types."""
+
+    def wrap(cls: type[Message]) -> type[Message]:
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        if sorted(names) != sorted(field_types):
+            raise TypeError(f"{cls.__name__}: field types do not match fields")
+        cls.COMMAND = bytes([command])
+        cls.FIELD_TYPES = field_types
+        _BY_COMMAND[cls.COMMAND] = cls
+        return cls
+
+    return wrap
+
+
+# --- registration and liveness ---------------------------------------------
+
+
+@_register(0x01, worker_name=_STR, model=_STR, n_ctx=_INT, pid=_INT, host=_STR,
+           engine=_STR)
+class Ready(Message):
+    """Worker -> broker: the model is loaded and this worker is idle."""
+
+    worker_name: str
+    model: str
+    n_ctx: int
+    pid: int
+    host: str
+    engine: str = "llama.cpp"
+
+
+@_register(0x02, pid=_INT, host=_STR)
+class Hello(Message):
+    """Frontend -> broker: register this frontend process."""
+
+    pid: int
+    host: str
+
+
+@_register(0x03, progress=_MAP)
+class Heartbeat(Message):
+    """Any direction. Workers attach live progress of their current job.
+
+    ``progress`` keys sent by a busy worker: ``job_id``, ``n_prompt``,
+    ``n_generated``, ``max_tokens``, ``tokens_per_s``, ``n_ctx_used``.
+    """
+
+    progress: dict = dataclasses.field(default_factory=dict)
+
+
+@_register(0x04, reason=_STR)
+class Disconnect(Message):
+    """Broker -> peer: I do not know you (any more); register again."""
+
+    reason: str
+
+
+# --- jobs --------------------------------------------------------------------
+
+
+@_register(0x10, job_id=_STR, request=_MAP)
+class Submit(Message):
+    """Frontend -> broker -> worker: run one generation.
+
+    ``request`` is the validated generation request (see
+    ``frontend.openai_schema``); the broker does not look inside it.
+    """
+
+    job_id: str
+    request: dict
+
+
+@_register(0x11, job_id=_STR, slot_id=_INT, model=_STR)
+class Accepted(Message):
+    """Broker -> frontend: the job holds slot ``slot_id`` of a ``model`` worker."""
+
+    job_id: str
+    slot_id: int
+    model: str = ""
+
+
+@_register(0x12, job_id=_STR, retry_after_s=_NUM)
+class NoSlot(Message):
+    """Broker -> frontend: every slot is busy; try again after the hint."""
+
+    job_id: str
+    retry_after_s: float
+
+
+@_register(0x13, job_id=_STR)
+class Cancel(Message):
+    """Frontend -> broker -> worker: stop this job at the next token."""
+
+    job_id: str
+
+
+@_register(0x14, job_id=_STR, frames=_INT)
+class Credit(Message):
+    """Frontend -> broker -> worker: the client consumed ``frames`` frames."""
+
+    job_id: str
+    frames: int
+
+
+@_register(0x15, job_id=_STR, text=_STR, n_tokens=_INT)
+class Token(Message):
+    """Worker -> broker -> frontend: new output text covering ``n_tokens``."""
+
+    job_id: str
+    text: str
+    n_tokens: int = 1
+
+
+@_register(0x16, job_id=_STR, finish_reason=_STR, usage=_MAP, timings=_MAP,
+           text=_STR)
+class Final(Message):
+    """Terminal frame: the job ended with ``finish_reason``.
+
+    ``finish_reason`` is ``stop``, ``length`` or ``cancelled``. ``usage`` has
+    ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``; ``timings``
+    has ``prompt_ms``, ``predicted_ms``, ``predicted_per_second``. ``text`` is
+    output that was held back (a possible stop-string prefix) and is released
+    at the end.
+    """
+
+    job_id: str
+    finish_reason: str
+    usage: dict
+    timings: dict
+    text: str = ""
+
+
+@_register(0x17, job_id=_STR, code=_STR, message=_STR, status=_INT)
+class Error(Message):
+    """Terminal frame: the job failed. ``status`` is the HTTP status to use."""
+
+    job_id: str
+    code: str
+    message: str
+    status: int = 500
+
+
+# --- introspection -------------------------------------------------------------
+
+
+@_register(0x20, request_id=_STR)
+class Status(Message):
+    """Frontend (or any tool) -> broker: send me the ledger."""
+
+    request_id: str
+
+
+@_register(0x21, request_id=_STR, snapshot=_MAP)
+class StatusReply(Message):
+    """Broker -> asker: ``snapshot`` is ``Ledger.snapshot()`` plus counters."""
+
+    request_id: str
+    snapshot: dict
+
+
+TERMINAL = (Final, Error)
+JOB_FRAMES = (Token, Final, Error)
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Decode frames (without routing identity) into a typed message.
+
+    Raises:
+        MalformedMessage: wrong frame count, header, command, or body.
+    """
+    if len(frames) != 3:
+        raise MalformedMessage(f"{len(frames)} frames, expected 3")
+    header, command, body = frames
+    if header != PROTOCOL_HEADER:
+        raise MalformedMessage(f"bad protocol header {bytes(header[:16])!r}")
+    cls = _BY_COMMAND.get(bytes(command))
+    if cls is None:
+        raise MalformedMessage(f"unknown command {bytes(command[:4])!r}")
+    if len(body) > MAX_BODY_BYTES:
+        raise MalformedMessage(f"body of {len(body)} bytes is too large")
+    try:
+        fields = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MalformedMessage(f"bad msgpack body: {exc.__class__.__name__}") from None
+    return cls.from_body(fields)
+
+
+def all_message_classes() -> list[type[Message]]:
+    """Every registered message class (for tests and docs)."""
+    return list(_BY_COMMAND.values())

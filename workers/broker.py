@@ -1,0 +1,338 @@
+"""The broker: two ROUTER sockets and the slot ledger between them.
+
+Frontends connect DEALERs to ``frontends_endpoint``; model workers connect
+DEALERs to ``workers_endpoint``. The broker is the single authority on which
+slot is free. It hands each SUBMIT to an idle worker or refuses it at once
+with NO_SLOT and a Retry-After hint (admission control, no queue), relays the
+job's frames back to the frontend that asked, and frees the slot when the
+terminal frame passes, and at no other moment.
+
+Flow control: both ROUTERs set ``ROUTER_MANDATORY`` so that a send to a gone
+peer raises instead of vanishing, and an unlimited send high-water mark so a
+full pipe never drops a frame silently. Memory stays bounded because a worker
+has at most ``CREDIT_WINDOW_FRAMES`` TOKEN frames in flight per job; the
+frontend grants more only as its HTTP client reads.
+
+On restart the ledger is empty. Workers and frontends that heartbeat an
+unknown identity get DISCONNECT and register again, which rebuilds it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+
+import zmq
+
+from protocol import messages, timing
+from workers import ledger as ledger_mod
+from workers.signals import StopFlag
+
+log = logging.getLogger("llamapool.broker")
+
+#: Messages handled per socket per poll round, so one busy side cannot
+#: starve the other or the heartbeat timer.
+_BATCH = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokerSettings:
+    frontends_endpoint: str
+    workers_endpoint: str
+    heartbeat_interval_s: float = timing.HEARTBEAT_INTERVAL_S
+    heartbeat_liveness: int = timing.HEARTBEAT_LIVENESS
+
+
+class Broker:
+    """Routes jobs between frontends and workers. Single-threaded."""
+
+    def __init__(self, settings: BrokerSettings, ctx: zmq.Context | None = None):
+        self.settings = settings
+        self.ctx = ctx or zmq.Context.instance()
+        self.ledger = ledger_mod.Ledger(
+            settings.heartbeat_interval_s * settings.heartbeat_liveness
+        )
+        self.counters: collections.Counter[str] = collections.Counter()
+        # Disconnect-to-release latency of recent cancelled jobs, seconds.
+        self.cancel_release_s: collections.deque[float] = collections.deque(
+            maxlen=4096
+        )
+        self._frontend_sock: zmq.Socket | None = None
+        self._worker_sock: zmq.Socket | None = None
+
+    # --- sockets ---------------------------------------------------------------
+
+    def _router(self, endpoint: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(endpoint)
+        return sock
+
+    def bind(self) -> None:
+        self._frontend_sock = self._router(self.settings.frontends_endpoint)
+        self._worker_sock = self._router(self.settings.workers_endpoint)
+        log.info(
+            "broker listening: frontends=%s workers=%s",
+            self.settings.frontends_endpoint,
+            self.settings.workers_endpoint,
+        )
+
+    def close(self) -> None:
+        for sock in (self._frontend_sock, self._worker_sock):
+            if sock is not None:
+                sock.close(linger=0)
+
+    def _send(self, sock: zmq.Socket, identity: bytes, frames: list[bytes]) -> bool:
+        """Send to one peer; False if the peer is gone (never raises)."""
+        try:
+            sock.send_multipart([identity, *frames], copy=False)
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                self.counters["send_unroutable"] += 1
+                return False
+            raise
+
+    def _to_frontend(self, identity: bytes, msg_or_frames) -> bool:
+        frames = (
+            msg_or_frames
+            if isinstance(msg_or_frames, list)
+            else msg_or_frames.to_wire()
+        )
+        return self._send(self._frontend_sock, identity, frames)
+
+    def _to_worker(self, identity: bytes, msg_or_frames) -> bool:
+        frames = (
+            msg_or_frames
+            if isinstance(msg_or_frames, list)
+            else msg_or_frames.to_wire()
+        )
+        return self._send(self._worker_sock, identity, frames)
+
+    # --- main loop ---------------------------------------------------------------
+
+    def run(self, stop: StopFlag) -> None:
+        """Serve until ``stop`` is set."""
+        if self._frontend_sock is None:
+            self.bind()
+        poller = zmq.Poller()
+        poller.register(self._frontend_sock, zmq.POLLIN)
+        poller.register(self._worker_sock, zmq.POLLIN)
+        interval_s = self.settings.heartbeat_interval_s
+        next_beat = time.monotonic()
+        try:
+            while not stop.is_set():
+                timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
+                ready = dict(poller.poll(min(timeout_ms, interval_s * 1000)))
+                if self._worker_sock in ready:
+                    self._drain(self._worker_sock, self._on_worker_frames)
+                if self._frontend_sock in ready:
+                    self._drain(self._frontend_sock, self._on_frontend_frames)
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._heartbeat_and_expire(now)
+                    next_beat = now + interval_s
+        finally:
+            self.close()
+            log.info("broker stopped")
+
+    def _drain(self, sock: zmq.Socket, handle) -> None:
+        for _ in range(_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                self._malformed(b"?", "no routing identity")
+                continue
+            identity, body = frames[0], frames[1:]
+            try:
+                msg = messages.decode(body)
+            except messages.MalformedMessage as exc:
+                self._malformed(identity, str(exc))
+                continue
+            handle(identity, msg, body)
+
+    def _malformed(self, identity: bytes, why: str) -> None:
+        self.counters["malformed_dropped"] += 1
+        # Rate-limit the log: a garbage flood must not become a log flood.
+        n = self.counters["malformed_dropped"]
+        if n <= 10 or n % 1000 == 0:
+            log.warning(
+                "dropped malformed message #%d from %s: %s", n, identity.hex(), why
+            )
+
+    # --- frontend side -----------------------------------------------------------
+
+    def _on_frontend_frames(self, ident: bytes, msg: messages.Message, raw) -> None:
+        now = time.monotonic()
+        known = self.ledger.touch_frontend(ident, now)
+        if isinstance(msg, messages.Hello):
+            self.ledger.register_frontend(ident, now, msg.pid, msg.host)
+            log.info("frontend registered: pid=%d host=%s", msg.pid, msg.host)
+        elif isinstance(msg, messages.Submit):
+            if not known:
+                # A fresh request carries no stale state; register implicitly
+                # so the first request after a broker restart is not refused.
+                self.ledger.register_frontend(ident, now)
+            self._on_submit(ident, msg, raw, now)
+        elif isinstance(msg, messages.Status):
+            snapshot = self.snapshot(now)
+            self._to_frontend(ident, messages.StatusReply(msg.request_id, snapshot))
+        elif not known:
+            self.counters["unknown_peer"] += 1
+            self._to_frontend(ident, messages.Disconnect("unknown frontend"))
+        elif isinstance(msg, messages.Cancel):
+            self._on_cancel(ident, msg.job_id, now)
+        elif isinstance(msg, messages.Credit):
+            job = self.ledger.jobs.get(msg.job_id)
+            if job is not None and job.frontend == ident:
+                self._to_worker(job.worker, raw)
+        elif isinstance(msg, messages.Heartbeat):
+            pass
+        else:
+            self.counters["protocol_violation"] += 1
+            log.warning("frontend sent %s; disconnecting it", type(msg).__name__)
+            self._to_frontend(ident, messages.Disconnect("unexpected command"))
+
+    def _on_submit(
+        self, ident: bytes, msg: messages.Submit, raw: list[bytes], now: float
+    ) -> None:
+        self.counters["submitted"] += 1
+        if msg.job_id in self.ledger.jobs:
+            self._to_frontend(
+                ident,
+                messages.Error(msg.job_id, "duplicate_job", "duplicate job id", 400),
+            )
+            return
+        slot = self.ledger.assign(msg.job_id, ident, now)
+        if slot is None:
+            self.counters["no_slot"] += 1
+            self._to_frontend(
+                ident, messages.NoSlot(msg.job_id, self.ledger.retry_after_s())
+            )
+            return
+        if not self._to_worker(slot.identity, raw):
+            # The worker vanished between its last beat and now.
+            self._worker_died(slot.identity, "unreachable")
+            self._to_frontend(
+                ident, messages.NoSlot(msg.job_id, timing.RETRY_AFTER_MIN_S)
+            )
+            return
+        self._to_frontend(
+            ident, messages.Accepted(msg.job_id, slot.slot_id, slot.info.model)
+        )
+
+    def _on_cancel(self, ident: bytes, job_id: str, now: float) -> None:
+        job = self.ledger.jobs.get(job_id)
+        if job is None or job.frontend != ident:
+            return  # already finished: the terminal frame crossed the cancel
+        if self.ledger.request_cancel(job_id, now) is not None:
+            self._to_worker(job.worker, messages.Cancel(job_id))
+
+    # --- worker side -------------------------------------------------------------
+
+    def _on_worker_frames(self, ident: bytes, msg: messages.Message, raw) -> None:
+        now = time.monotonic()
+        if isinstance(msg, messages.Ready):
+            slot, orphan = self.ledger.register_worker(ident, msg, now)
+            if orphan is not None:
+                self._fail_job(orphan, "worker_restarted", "worker re-registered")
+            log.info(
+                "worker registered: slot=%d name=%s pid=%d host=%s model=%s",
+                slot.slot_id, msg.worker_name, msg.pid, msg.host, msg.model,
+            )
+            return
+        slot = self.ledger.touch_worker(ident, now)
+        if slot is None:
+            self.counters["unknown_peer"] += 1
+            self._to_worker(ident, messages.Disconnect("unknown worker"))
+            return
+        if isinstance(msg, messages.Heartbeat):
+            if msg.progress.get("job_id") == slot.job_id and slot.job_id:
+                slot.progress = msg.progress
+        elif isinstance(msg, messages.Disconnect):
+            # The worker is shutting down: no new jobs. Its current job (if
+            # any) still ends with a terminal frame, which frees the slot.
+            log.info("worker leaving (%s): slot=%d pid=%d", msg.reason,
+                     slot.slot_id, slot.info.pid)
+            slot.draining = True
+            if slot.job_id is None:
+                self.ledger.remove_worker(ident)
+        elif isinstance(msg, messages.JOB_FRAMES):
+            if msg.job_id != slot.job_id:
+                self.counters["stale_frames"] += 1
+                return
+            job = self.ledger.jobs[msg.job_id]
+            delivered = self._to_frontend(job.frontend, raw)
+            if isinstance(msg, messages.TERMINAL):
+                self._finish(job, now)
+            elif not delivered:
+                # Its frontend is gone: stop the work instead of computing
+                # tokens nobody will read.
+                self._on_cancel(job.frontend, job.job_id, now)
+        else:
+            self.counters["protocol_violation"] += 1
+            log.warning("worker sent %s; disconnecting it", type(msg).__name__)
+            self._to_worker(ident, messages.Disconnect("unexpected command"))
+
+    def _finish(self, job: ledger_mod.Job, now: float) -> None:
+        self.ledger.finish(job.job_id, now)
+        slot = self.ledger.workers.get(job.worker)
+        if slot is not None and slot.draining:
+            self.ledger.remove_worker(job.worker)
+        self.counters["finished"] += 1
+        if job.cancel_requested_at is not None:
+            self.cancel_release_s.append(now - job.cancel_requested_at)
+
+    def _fail_job(self, job: ledger_mod.Job, code: str, message: str) -> None:
+        self.counters["failed_" + code] += 1
+        self._to_frontend(job.frontend, messages.Error(job.job_id, code, message, 502))
+
+    def _worker_died(self, ident: bytes, why: str) -> None:
+        slot = self.ledger.workers.get(ident)
+        orphan = self.ledger.remove_worker(ident)
+        self.counters["worker_deaths"] += 1
+        if slot is not None:
+            log.warning(
+                "worker lost (%s): slot=%d pid=%d host=%s",
+                why, slot.slot_id, slot.info.pid, slot.info.host,
+            )
+        if orphan is not None:
+            self._fail_job(orphan, "worker_died", "the model worker died mid-job")
+
+    # --- liveness ----------------------------------------------------------------
+
+    def _heartbeat_and_expire(self, now: float) -> None:
+        dead_workers, dead_frontends = self.ledger.expired(now)
+        for ident in dead_workers:
+            self._worker_died(ident, "heartbeat timeout")
+        for ident in dead_frontends:
+            self.counters["frontend_deaths"] += 1
+            log.warning("frontend lost (heartbeat timeout): %s", ident.hex())
+            for job in self.ledger.remove_frontend(ident):
+                if self.ledger.request_cancel(job.job_id, now) is not None:
+                    self._to_worker(job.worker, messages.Cancel(job.job_id))
+        beat = messages.Heartbeat().to_wire()
+        for ident in list(self.ledger.workers):
+            if not self._to_worker(ident, beat):
+                self._worker_died(ident, "unreachable")
+        for ident in list(self.ledger.frontends):
+            self._to_frontend(ident, beat)
+
+    def snapshot(self, now: float) -> dict:
+        snap = self.ledger.snapshot(now)
+        snap["counters"] = dict(self.counters)
+        lat = sorted(self.cancel_release_s)
+        snap["cancel_release_s"] = {
+            "count": len(lat),
+            "p50": lat[len(lat) // 2] if lat else None,
+            "max": lat[-1] if lat else None,
+        }
+        snap["retry_after_s"] = self.ledger.retry_after_s()
+        return snap

@@ -1,0 +1,200 @@
+"""The ``llamapool`` command.
+
+Subcommands: ``up``, ``broker``, ``worker``, ``frontend``, ``make-test-model``.
+Each flag also has a ``LLAMAPOOL_*`` environment variable where noted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from protocol import timing
+
+#: Exit codes for boot failures (gunicorn/dramatiq style named codes).
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_MODEL_LOAD = 3
+EXIT_BIND = 5
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _add_liveness_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--heartbeat-interval-s", type=float,
+                   default=float(os.environ.get("LLAMAPOOL_HEARTBEAT_INTERVAL_S",
+                                                timing.HEARTBEAT_INTERVAL_S)))
+    p.add_argument("--heartbeat-liveness", type=int,
+                   default=int(os.environ.get("LLAMAPOOL_HEARTBEAT_LIVENESS",
+                                              timing.HEARTBEAT_LIVENESS)))
+
+
+def _add_key_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", action="append", default=[],
+                   help="accepted API key (repeatable); also LLAMAPOOL_API_KEYS")
+    p.add_argument("--api-key-file", help="file with one API key per line")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="llama.cpp threads per worker (default: cores / workers)")
+    p.add_argument("--ctx", type=int, default=2048, help="context size per slot")
+    p.add_argument("--chat-format", default=None,
+                   help="named chat format (e.g. gemma), or 'template' for the "
+                        "GGUF's Jinja template (default: template if present)")
+    p.add_argument("--model-name", default=None,
+                   help="name reported in /v1/models (default: file name)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llamapool", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("LLAMAPOOL_LOG_LEVEL",
+                                                              "info"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="broker + N workers + gunicorn on this machine")
+    up.add_argument("--model", help="GGUF path (default: Gemma 3 270M, assembled)")
+    up.add_argument("--workers", type=int, default=2)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8080)
+    _add_key_flags(up)
+    _add_model_flags(up)
+    _add_liveness_flags(up)
+
+    broker = sub.add_parser("broker", help="the broker alone")
+    broker.add_argument("--frontends", required=True, help="endpoint to bind for frontends")
+    broker.add_argument("--workers", required=True, help="endpoint to bind for workers")
+    _add_liveness_flags(broker)
+
+    worker = sub.add_parser("worker", help="one model worker")
+    worker.add_argument("--broker", required=True, help="broker workers endpoint")
+    worker.add_argument("--model", required=True, help="GGUF path")
+    worker.add_argument("--stall-timeout-s", type=float, default=timing.STALL_TIMEOUT_S)
+    worker.add_argument("--shutdown-grace-s", type=float, default=30.0)
+    _add_model_flags(worker)
+    _add_liveness_flags(worker)
+
+    frontend = sub.add_parser("frontend", help="gunicorn on the Falcon app")
+    frontend.add_argument("--broker", required=True, help="broker frontends endpoint")
+    frontend.add_argument("--bind", default="127.0.0.1:8080")
+    _add_key_flags(frontend)
+    _add_liveness_flags(frontend)
+
+    model = sub.add_parser("make-test-model", help="write the tiny test GGUF")
+    model.add_argument("path")
+    return parser
+
+
+def run_broker(args: argparse.Namespace) -> int:
+    import zmq
+
+    from workers.broker import Broker, BrokerSettings
+    from workers.signals import StopFlag
+
+    stop = StopFlag().install()
+    broker = Broker(BrokerSettings(
+        frontends_endpoint=args.frontends,
+        workers_endpoint=args.workers,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        heartbeat_liveness=args.heartbeat_liveness,
+    ))
+    try:
+        broker.bind()
+    except zmq.ZMQError as exc:
+        logging.getLogger("llamapool.broker").error("cannot bind: %s", exc)
+        return EXIT_BIND
+    broker.run(stop)
+    return EXIT_OK
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from workers.model_worker import ModelWorker, WorkerSettings
+    from workers.signals import StopFlag
+
+    log = logging.getLogger("llamapool.worker")
+    stop = StopFlag().install()
+    if not os.path.isfile(args.model):
+        log.error("model file not found: %s", args.model)
+        return EXIT_MODEL_LOAD
+    from workers.llama_engine import LlamaEngine
+
+    try:
+        engine = LlamaEngine(
+            args.model, n_ctx=args.ctx, n_threads=args.threads,
+            chat_format=args.chat_format, model_name=args.model_name,
+        )
+    except Exception as exc:
+        log.error("cannot load model %s: %s", args.model, exc)
+        return EXIT_MODEL_LOAD
+    log.info("model loaded: %s (n_ctx=%d)", engine.model_name, engine.n_ctx)
+    worker = ModelWorker(WorkerSettings(
+        broker_endpoint=args.broker,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        heartbeat_liveness=args.heartbeat_liveness,
+        stall_timeout_s=args.stall_timeout_s,
+        shutdown_grace_s=args.shutdown_grace_s,
+    ), engine)
+    worker.run(stop)
+    return EXIT_OK
+
+
+def api_keys_from(args: argparse.Namespace) -> list[str]:
+    keys = list(args.api_key)
+    keys += [k.strip() for k in os.environ.get("LLAMAPOOL_API_KEYS", "").split(",")]
+    return [k for k in keys if k]
+
+
+def run_frontend(args: argparse.Namespace) -> int:
+    from frontend.auth import key_suffix
+    from frontend.serve import exec_gunicorn, frontend_env
+    from frontend.settings import read_key_file
+
+    keys = api_keys_from(args)
+    shown = keys or (read_key_file(args.api_key_file) if args.api_key_file else [])
+    log = logging.getLogger("llamapool.frontend")
+    if shown:
+        log.info("API keys required; first key ends in ...%s", key_suffix(shown[0]))
+    else:
+        log.warning("no API key set: every endpoint is open")
+    exec_gunicorn(frontend_env(
+        args.broker, args.bind, keys, args.api_key_file,
+        {"LLAMAPOOL_HEARTBEAT_INTERVAL_S": str(args.heartbeat_interval_s),
+         "LLAMAPOOL_HEARTBEAT_LIVENESS": str(args.heartbeat_liveness)},
+    ))
+    return EXIT_OK  # not reached
+
+
+def run_make_test_model(args: argparse.Namespace) -> int:
+    from workers.test_model import write_test_model
+
+    write_test_model(args.path)
+    print(args.path)
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    if args.command == "up":
+        from workers.supervisor import run_up
+
+        return run_up(args)
+    handlers = {
+        "broker": run_broker,
+        "worker": run_worker,
+        "frontend": run_frontend,
+        "make-test-model": run_make_test_model,
+    }
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""The slot ledger: which worker is free, which job holds which slot.
+
+Pure bookkeeping with no sockets and no clock of its own (every call takes
+``now``), so property tests can drive it through any order of events. The
+broker is its only owner.
+
+A worker is one slot. Its states:
+
+* ``idle``: registered, free for a job;
+* ``busy``: running a job;
+* ``cancelling``: its frontend asked to cancel; still busy until the worker's
+  terminal frame arrives. The slot is free only after that frame, never
+  before (DESIGN.md, "acknowledged cancel").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+from protocol import messages, timing
+
+IDLE = "idle"
+BUSY = "busy"
+CANCELLING = "cancelling"
+
+
+@dataclasses.dataclass
+class WorkerSlot:
+    """One registered worker process = one slot."""
+
+    identity: bytes
+    slot_id: int
+    info: messages.Ready
+    last_seen: float
+    registered_at: float
+    state: str = IDLE
+    job_id: str | None = None
+    lease_taken_at: float | None = None
+    progress: dict = dataclasses.field(default_factory=dict)
+    jobs_served: int = 0
+    # When the worker last became idle; the least recently used idle worker
+    # gets the next job, which spreads load evenly.
+    idle_since: float = 0.0
+    #: Said goodbye (SIGTERM): gets no new job, leaves when its job ends.
+    draining: bool = False
+
+
+@dataclasses.dataclass
+class Job:
+    """A job that holds a slot."""
+
+    job_id: str
+    frontend: bytes
+    worker: bytes
+    submitted_at: float
+    cancel_requested_at: float | None = None
+
+
+@dataclasses.dataclass
+class FrontendPeer:
+    """A registered frontend process."""
+
+    identity: bytes
+    last_seen: float
+    pid: int = 0
+    host: str = ""
+
+
+class Ledger:
+    """Slot bookkeeping for one broker.
+
+    Args:
+        peer_timeout_s: a peer not heard from for this long is dead.
+    """
+
+    def __init__(self, peer_timeout_s: float) -> None:
+        self.peer_timeout_s = peer_timeout_s
+        self.workers: dict[bytes, WorkerSlot] = {}
+        self.jobs: dict[str, Job] = {}
+        self.frontends: dict[bytes, FrontendPeer] = {}
+        self._slot_ids = itertools.count()
+
+    # --- peers -----------------------------------------------------------------
+
+    def register_worker(
+        self, identity: bytes, ready: messages.Ready, now: float
+    ) -> tuple[WorkerSlot, Job | None]:
+        """Add (or re-add) a worker as idle.
+
+        Returns the slot and, if the same identity was holding a job, that job:
+        a worker only sends READY when it is idle, so the job is over and its
+        frontend must be told.
+        """
+        orphan = self.remove_worker(identity)
+        slot = WorkerSlot(
+            identity=identity,
+            slot_id=next(self._slot_ids),
+            info=ready,
+            last_seen=now,
+            registered_at=now,
+            idle_since=now,
+        )
+        self.workers[identity] = slot
+        return slot, orphan
+
+    def remove_worker(self, identity: bytes) -> Job | None:
+        """Forget a worker; return the job it held, if any (now orphaned)."""
+        slot = self.workers.pop(identity, None)
+        if slot is None or slot.job_id is None:
+            return None
+        return self.jobs.pop(slot.job_id, None)
+
+    def register_frontend(
+        self, identity: bytes, now: float, pid: int = 0, host: str = ""
+    ) -> None:
+        self.frontends[identity] = FrontendPeer(identity, now, pid, host)
+
+    def remove_frontend(self, identity: bytes) -> list[Job]:
+        """Forget a frontend; return the jobs it held (to be cancelled)."""
+        self.frontends.pop(identity, None)
+        return [job for job in self.jobs.values() if job.frontend == identity]
+
+    def touch_worker(self, identity: bytes, now: float) -> WorkerSlot | None:
+        slot = self.workers.get(identity)
+        if slot is not None:
+            slot.last_seen = now
+        return slot
+
+    def touch_frontend(self, identity: bytes, now: float) -> bool:
+        peer = self.frontends.get(identity)
+        if peer is None:
+            return False
+        peer.last_seen = now
+        return True
+
+    def expired(self, now: float) -> tuple[list[bytes], list[bytes]]:
+        """Identities of workers and frontends that missed their liveness."""
+        deadline = now - self.peer_timeout_s
+        dead_workers = [i for i, w in self.workers.items() if w.last_seen < deadline]
+        dead_frontends = [
+            i for i, f in self.frontends.items() if f.last_seen < deadline
+        ]
+        return dead_workers, dead_frontends
+
+    # --- jobs --------------------------------------------------------------------
+
+    def assign(self, job_id: str, frontend: bytes, now: float) -> WorkerSlot | None:
+        """Give the job the least recently used idle slot, or None if all busy."""
+        if job_id in self.jobs:
+            raise ValueError(f"duplicate job id {job_id!r}")
+        idle = [
+            w for w in self.workers.values() if w.state == IDLE and not w.draining
+        ]
+        if not idle:
+            return None
+        slot = min(idle, key=lambda w: w.idle_since)
+        slot.state = BUSY
+        slot.job_id = job_id
+        slot.lease_taken_at = now
+        slot.progress = {}
+        self.jobs[job_id] = Job(job_id, frontend, slot.identity, now)
+        return slot
+
+    def request_cancel(self, job_id: str, now: float) -> Job | None:
+        """Mark a job as cancelling; return it if this is the first request."""
+        job = self.jobs.get(job_id)
+        if job is None or job.cancel_requested_at is not None:
+            return None
+        job.cancel_requested_at = now
+        slot = self.workers.get(job.worker)
+        if slot is not None:
+            slot.state = CANCELLING
+        return job
+
+    def finish(self, job_id: str, now: float) -> Job | None:
+        """The job's terminal frame passed: free its slot. Idempotent."""
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return None
+        slot = self.workers.get(job.worker)
+        if slot is not None and slot.job_id == job_id:
+            slot.state = IDLE
+            slot.job_id = None
+            slot.lease_taken_at = None
+            slot.progress = {}
+            slot.jobs_served += 1
+            slot.idle_since = now
+        return job
+
+    # --- views -------------------------------------------------------------------
+
+    def free_slots(self) -> int:
+        return sum(
+            1 for w in self.workers.values() if w.state == IDLE and not w.draining
+        )
+
+    def live_slots(self) -> int:
+        return len(self.workers)
+
+    def retry_after_s(self) -> float:
+        """Estimate when a slot frees up, from busy workers' live progress.
+
+        The soonest finishing busy slot sets the hint: its remaining tokens
+        over its current speed. Slots without a speed yet are ignored unless
+        none has one, and then the minimum is used.
+        """
+        estimates = []
+        for slot in self.workers.values():
+            p = slot.progress
+            speed = p.get("tokens_per_s") or 0.0
+            remaining = (p.get("max_tokens") or 0) - (p.get("n_generated") or 0)
+            if speed > 0 and remaining >= 0:
+                estimates.append(remaining / speed)
+        hint = min(estimates) if estimates else timing.RETRY_AFTER_MIN_S
+        hint = max(timing.RETRY_AFTER_MIN_S, min(timing.RETRY_AFTER_MAX_S, hint))
+        return float(math.ceil(hint))
+
+    def snapshot(self, now: float) -> dict:
+        """A msgpack-safe view for STATUS replies (no prompt text)."""
+        slots = []
+        for w in sorted(self.workers.values(), key=lambda w: w.slot_id):
+            slots.append(
+                {
+                    "id": w.slot_id,
+                    "state": w.state,
+                    "id_task": w.job_id,
+                    "worker_name": w.info.worker_name,
+                    "host": w.info.host,
+                    "pid": w.info.pid,
+                    "model": w.info.model,
+                    "engine": w.info.engine,
+                    "n_ctx": w.info.n_ctx,
+                    "lease_taken_at": w.lease_taken_at,
+                    "lease_age_s": (now - w.lease_taken_at)
+                    if w.lease_taken_at
+                    else None,
+                    "jobs_served": w.jobs_served,
+                    "progress": dict(w.progress),
+                }
+            )
+        return {
+            "slots": slots,
+            "slots_total": len(self.workers),
+            "slots_free": self.free_slots(),
+            "jobs": len(self.jobs),
+            "frontends": len(self.frontends),
+        }

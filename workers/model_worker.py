@@ -1,0 +1,322 @@
+"""A model worker process: one engine, one slot, one job at a time.
+
+Two threads, each owning its own sockets (ZeroMQ sockets are not thread-safe):
+
+* the main thread runs jobs through the engine and pushes encoded frames into
+  an in-process PUSH socket;
+* the I/O thread owns the DEALER to the broker. It forwards those frames,
+  receives SUBMIT / CANCEL / CREDIT, and heartbeats every interval, also
+  while a token is being computed (ctypes releases the GIL during decode).
+
+The worker sends READY only after the model has loaded, and again whenever the
+broker says DISCONNECT or goes silent (a restarted broker rebuilds its ledger
+from these). SIGTERM: stop taking jobs, let the current one finish within the
+grace period or end it with an ERROR, tell the broker, exit 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+
+import zmq
+
+from protocol import messages, timing
+from workers.engine import Engine, RequestRejected
+from workers.signals import StopFlag
+
+log = logging.getLogger("llamapool.worker")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    broker_endpoint: str
+    heartbeat_interval_s: float = timing.HEARTBEAT_INTERVAL_S
+    heartbeat_liveness: int = timing.HEARTBEAT_LIVENESS
+    credit_window_frames: int = timing.CREDIT_WINDOW_FRAMES
+    stall_timeout_s: float = timing.STALL_TIMEOUT_S
+    #: After SIGTERM, how long the running job may continue before it is ended.
+    shutdown_grace_s: float = 30.0
+    worker_name: str = ""
+
+
+class ActiveJob:
+    """One running job; the engine sees it as its ``JobSink``."""
+
+    def __init__(
+        self, submit: messages.Submit, outbox: zmq.Socket, settings: WorkerSettings
+    ) -> None:
+        self.job_id = submit.job_id
+        self.request = submit.request
+        self._outbox = outbox
+        self._stall_timeout_s = settings.stall_timeout_s
+        self._credit = settings.credit_window_frames
+        self._credit_changed = threading.Condition()
+        self._cancelled = threading.Event()
+        #: Set when the job is ended by a worker shutdown, not by its client.
+        self.ended_by_shutdown = False
+        #: Set when the broker that gave us this job is gone: its frames are
+        #: dropped instead of confusing a new broker.
+        self.orphaned = False
+        self.progress: dict = {"job_id": self.job_id}
+        self.stalled = False
+
+    # --- called by the I/O thread ------------------------------------------------
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        with self._credit_changed:
+            self._credit_changed.notify_all()
+
+    def add_credit(self, frames: int) -> None:
+        with self._credit_changed:
+            self._credit += max(0, frames)
+            self._credit_changed.notify_all()
+
+    # --- JobSink, called by the engine in the main thread ------------------------
+
+    def emit(self, text: str, n_tokens: int) -> None:
+        with self._credit_changed:
+            self._credit -= 1
+        self._outbox.send_multipart(
+            messages.Token(self.job_id, text, n_tokens).to_wire()
+        )
+
+    def should_stop(self) -> bool:
+        return self._cancelled.is_set()
+
+    def wait_for_credit(self) -> bool:
+        """Pause while the client is not reading; give up after the stall timeout."""
+        deadline = time.monotonic() + self._stall_timeout_s
+        with self._credit_changed:
+            while self._credit <= 0 and not self._cancelled.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.stalled = True
+                    return False
+                self._credit_changed.wait(remaining)
+        return not self._cancelled.is_set()
+
+    def report_progress(self, n_prompt, n_generated, max_tokens, tokens_per_s,
+                        n_ctx_used) -> None:
+        # Replaced whole, so the I/O thread always reads a consistent dict.
+        self.progress = {
+            "job_id": self.job_id,
+            "n_prompt": n_prompt,
+            "n_generated": n_generated,
+            "max_tokens": max_tokens,
+            "tokens_per_s": tokens_per_s,
+            "n_ctx_used": n_ctx_used,
+        }
+
+
+class ModelWorker:
+    """Connects one engine to the broker."""
+
+    def __init__(
+        self, settings: WorkerSettings, engine: Engine, ctx: zmq.Context | None = None
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.ctx = ctx or zmq.Context.instance()
+        self.name = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
+        self._jobs: queue.SimpleQueue[ActiveJob] = queue.SimpleQueue()
+        self._outbox_endpoint = f"inproc://worker-outbox-{uuid.uuid4().hex}"
+        self._io_done = threading.Event()
+        self.malformed_dropped = 0
+        self.jobs_done = 0
+
+    # --- main thread -------------------------------------------------------------
+
+    def run(self, stop: StopFlag) -> None:
+        """Serve jobs until ``stop`` is set and the current job has ended."""
+        inbox = self.ctx.socket(zmq.PULL)
+        inbox.bind(self._outbox_endpoint)
+        outbox = self.ctx.socket(zmq.PUSH)
+        outbox.setsockopt(zmq.SNDHWM, 0)
+        outbox.connect(self._outbox_endpoint)
+        io = threading.Thread(
+            target=self._io_loop, args=(inbox, outbox, stop), name="worker-io",
+            daemon=True,
+        )
+        io.start()
+        try:
+            while not stop.is_set():
+                try:
+                    job = self._jobs.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                self._run_job(job, outbox)
+            # A job may have been handed over just before the stop.
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                job.ended_by_shutdown = True
+                job.cancel()
+                self._run_job(job, outbox)
+        finally:
+            self._io_done.wait(timeout=self.settings.heartbeat_interval_s * 3)
+            outbox.close(linger=0)
+            log.info("worker %s stopped after %d jobs", self.name, self.jobs_done)
+
+    def _run_job(self, job: ActiveJob, outbox: zmq.Socket) -> None:
+        try:
+            if job.ended_by_shutdown:
+                raise RequestRejected(
+                    "worker_shutdown", "the worker is shutting down", 503
+                )
+            result = self.engine.run(job.request, job)
+            if job.ended_by_shutdown:
+                msg = messages.Error(
+                    job.job_id, "worker_shutdown",
+                    "the worker shut down before the job finished", 503,
+                )
+            elif job.stalled:
+                msg = messages.Error(
+                    job.job_id, "client_stalled",
+                    "the client stopped reading; generation was cancelled", 408,
+                )
+            else:
+                msg = messages.Final(
+                    job.job_id, result.finish_reason, result.usage(),
+                    result.timings(), result.tail_text,
+                )
+        except RequestRejected as exc:
+            msg = messages.Error(job.job_id, exc.code, exc.message, exc.status)
+        except Exception:
+            log.exception("job %s failed in the engine", job.job_id)
+            msg = messages.Error(job.job_id, "engine_error", "generation failed", 500)
+        self.jobs_done += 1
+        outbox.send_multipart(msg.to_wire())
+
+    # --- I/O thread --------------------------------------------------------------
+
+    def _new_dealer(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.connect(self.settings.broker_endpoint)
+        return sock
+
+    def _ready_message(self) -> messages.Ready:
+        return messages.Ready(
+            worker_name=self.name,
+            model=self.engine.model_name,
+            n_ctx=self.engine.n_ctx,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            engine=self.engine.name,
+        )
+
+    def _io_loop(self, inbox: zmq.Socket, outbox: zmq.Socket, stop: StopFlag) -> None:
+        s = self.settings
+        dealer = self._new_dealer()
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(inbox, zmq.POLLIN)
+        job: ActiveJob | None = None  # the job the broker believes we run
+        registered = False
+        last_heard = time.monotonic()
+        next_beat = 0.0
+        grace_deadline = None
+        beat_ms = s.heartbeat_interval_s * 1000
+        try:
+            while True:
+                now = time.monotonic()
+                if not registered and job is None and not stop.is_set():
+                    dealer.send_multipart(self._ready_message().to_wire())
+                    registered = True
+                    log.info("worker %s sent READY", self.name)
+                if stop.is_set() and grace_deadline is None:
+                    grace_deadline = now + s.shutdown_grace_s
+                    # Stop taking work before anything else.
+                    dealer.send_multipart(messages.Disconnect("stopping").to_wire())
+                if grace_deadline is not None:
+                    if job is None:
+                        break
+                    if now >= grace_deadline:
+                        job.ended_by_shutdown = True
+                        job.cancel()
+                ready = dict(poller.poll(min(beat_ms, max(0, next_beat - now) * 1000)))
+                if inbox in ready:
+                    job = self._forward_outbox(inbox, dealer, job)
+                if dealer in ready:
+                    last_heard = time.monotonic()
+                    job, registered = self._drain_broker(dealer, outbox, job, registered)
+                now = time.monotonic()
+                if now - last_heard > s.heartbeat_interval_s * s.heartbeat_liveness:
+                    log.warning("broker silent for %.1fs; reconnecting", now - last_heard)
+                    poller.unregister(dealer)
+                    dealer.close(linger=0)
+                    dealer = self._new_dealer()
+                    poller.register(dealer, zmq.POLLIN)
+                    registered = False
+                    last_heard = now
+                    if job is not None:
+                        job.orphaned = True
+                        job.cancel()
+                if now >= next_beat:
+                    progress = job.progress if job is not None else {}
+                    dealer.send_multipart(messages.Heartbeat(progress).to_wire())
+                    next_beat = now + s.heartbeat_interval_s
+        finally:
+            dealer.close(linger=500)
+            inbox.close(linger=0)
+            self._io_done.set()
+
+    def _forward_outbox(self, inbox, dealer, job: ActiveJob | None):
+        while True:
+            try:
+                frames = inbox.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return job
+            terminal = frames[1] in (messages.Final.COMMAND, messages.Error.COMMAND)
+            if job is not None and not job.orphaned:
+                dealer.send_multipart(frames)
+            if terminal:
+                job = None
+
+    def _drain_broker(self, dealer, outbox, job: ActiveJob | None, registered: bool):
+        while True:
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return job, registered
+            try:
+                msg = messages.decode(frames)
+            except messages.MalformedMessage as exc:
+                self.malformed_dropped += 1
+                log.warning("dropped malformed message from broker: %s", exc)
+                continue
+            if isinstance(msg, messages.Submit):
+                if job is not None:
+                    # The broker thinks we are idle while we are not; refuse
+                    # rather than queue (one slot means one job).
+                    dealer.send_multipart(
+                        messages.Error(msg.job_id, "worker_busy", "slot busy", 503)
+                        .to_wire()
+                    )
+                    continue
+                job = ActiveJob(msg, outbox, self.settings)
+                self._jobs.put(job)
+            elif isinstance(msg, messages.Cancel):
+                if job is not None and job.job_id == msg.job_id:
+                    job.cancel()
+            elif isinstance(msg, messages.Credit):
+                if job is not None and job.job_id == msg.job_id:
+                    job.add_credit(msg.frames)
+            elif isinstance(msg, messages.Disconnect):
+                log.warning("broker says %r; registering again", msg.reason)
+                registered = False
+                if job is not None:
+                    job.orphaned = True
+                    job.cancel()
+            # HEARTBEAT: hearing from the broker was the point.

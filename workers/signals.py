@@ -1,0 +1,43 @@
+"""Signals only set a flag; the main loop acts on it (gunicorn's arbiter).
+
+The first SIGTERM or SIGINT asks for a graceful stop. A second one exits at
+once, for an operator who does not want to wait for the grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+#: Exit code used when a second signal forces an immediate exit.
+EXIT_FORCED = 130
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT. ``wait``-able, so loops can sleep on it."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.signal_count = 0
+
+    def install(self) -> StopFlag:
+        """Install handlers for SIGTERM and SIGINT (main thread only)."""
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signal_count += 1
+        if self.signal_count > 1:
+            os._exit(EXIT_FORCED)
+        self._event.set()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float | None) -> bool:
+        return self._event.wait(timeout_s)

