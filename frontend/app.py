@@ -18,6 +18,7 @@ from frontend.broker_link import BrokerLink
 from frontend.errors import BadRequest, PayloadTooLarge, install_error_handlers
 from frontend.generation import collect, start_job
 from frontend.openai_format import ResponseShaper
+from frontend.prompt_gate import PromptGate
 from frontend.settings import FrontendSettings
 from frontend.sse import EventStreamBody
 
@@ -55,8 +56,10 @@ def read_json_body(req: falcon.Request, limit_bytes: int):
 class GenerationResource:
     """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
 
-    def __init__(self, kind: str, link: BrokerLink, settings: FrontendSettings):
+    def __init__(self, kind: str, link: BrokerLink, settings: FrontendSettings,
+                 gate: PromptGate | None):
         self.kind = kind
+        self.gate = gate
         self.parse = (
             openai_schema.parse_chat if kind == "chat" else openai_schema.parse_completion
         )
@@ -66,6 +69,8 @@ class GenerationResource:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         s = self.settings
         parsed = self.parse(read_json_body(req, s.max_body_bytes))
+        if self.gate is not None:
+            self.gate.check(parsed.generation)
         job = start_job(
             self.link,
             parsed.generation,
@@ -189,8 +194,13 @@ def create_app(settings: FrontendSettings, link: BrokerLink | None = None) -> Ll
     )
     app.req_options.strip_url_path_trailing_slash = True
     install_error_handlers(app)
-    completions = GenerationResource("completion", link, settings)
-    chat = GenerationResource("chat", link, settings)
+    gate = (
+        PromptGate(settings.tokenizer_model, settings.chat_format, settings.n_ctx)
+        if settings.tokenizer_model
+        else None
+    )
+    completions = GenerationResource("completion", link, settings, gate)
+    chat = GenerationResource("chat", link, settings, gate)
     models = ModelsResource(link, settings)
     health = HealthResource(link, settings)
     for prefix in ("", "/v1"):

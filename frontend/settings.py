@@ -17,6 +17,9 @@ Every default is documented in this one place.
 | LLAMAPOOL_HEARTBEAT_LIVENESS     | 3              | missed beats = broker lost   |
 | LLAMAPOOL_MODEL_NAME             | (from workers) | name when no worker is known |
 | LLAMAPOOL_SLOTS_DEBUG            | 0              | /slots may show text         |
+| LLAMAPOOL_TOKENIZER_MODEL        | (none)         | GGUF to count prompt tokens  |
+| LLAMAPOOL_CHAT_FORMAT            | (template)     | same as the workers' format  |
+| LLAMAPOOL_CTX                    | 2048           | workers' context size        |
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class FrontendSettings:
     slots_debug: bool = False
     #: Frames the client consumes before the frontend returns credit.
     credit_batch_frames: int = timing.CREDIT_WINDOW_FRAMES // 4
+    tokenizer_model: str = ""
+    chat_format: str | None = None
+    n_ctx: int = 2048
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FrontendSettings:
@@ -88,4 +94,7 @@ class FrontendSettings:
             ),
             model_name=env.get("LLAMAPOOL_MODEL_NAME", ""),
             slots_debug=env.get("LLAMAPOOL_SLOTS_DEBUG", "0") in ("1", "true", "yes"),
+            tokenizer_model=env.get("LLAMAPOOL_TOKENIZER_MODEL", ""),
+            chat_format=env.get("LLAMAPOOL_CHAT_FORMAT") or None,
+            n_ctx=number("LLAMAPOOL_CTX", cls.n_ctx, int),
         )

@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     frontend = sub.add_parser("frontend", help="gunicorn on the Falcon app")
     frontend.add_argument("--broker", required=True, help="broker frontends endpoint")
     frontend.add_argument("--bind", default="127.0.0.1:8080")
+    frontend.add_argument("--model", default=None,
+                          help="GGUF to count prompt tokens at the door (vocab only)")
+    frontend.add_argument("--chat-format", default=None,
+                          help="the workers' chat format (with --model)")
+    frontend.add_argument("--ctx", type=int, default=2048,
+                          help="the workers' context size (with --model)")
     _add_key_flags(frontend)
     _add_liveness_flags(frontend)
 
@@ -167,7 +173,10 @@ def run_frontend(args: argparse.Namespace) -> int:
     exec_gunicorn(frontend_env(
         args.broker, args.bind, keys, args.api_key_file,
         {"LLAMAPOOL_HEARTBEAT_INTERVAL_S": str(args.heartbeat_interval_s),
-         "LLAMAPOOL_HEARTBEAT_LIVENESS": str(args.heartbeat_liveness)},
+         "LLAMAPOOL_HEARTBEAT_LIVENESS": str(args.heartbeat_liveness),
+         "LLAMAPOOL_TOKENIZER_MODEL": args.model or "",
+         "LLAMAPOOL_CHAT_FORMAT": args.chat_format or "",
+         "LLAMAPOOL_CTX": str(args.ctx)},
     ))
     return EXIT_OK  # not reached
 

@@ -14,18 +14,13 @@ import os
 import time
 
 import llama_cpp
-from llama_cpp import llama_chat_format
-
 from workers import kv_cache
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import GenerationResult, JobSink, RequestRejected
+from workers.prompting import PromptBuilder, PromptError
 from workers.stop_strings import StopStringFilter
 
 log = logging.getLogger("llamapool.worker")
-
-#: Name of the chat format that means "the Jinja template in the GGUF".
-TEMPLATE_CHAT_FORMAT = "template"
-
 
 class LlamaEngine:
     """Serves one request at a time from one ``llama_cpp.Llama``."""
@@ -53,7 +48,7 @@ class LlamaEngine:
         self.n_ctx = self.llama.n_ctx()
         self.model_name = model_name or os.path.basename(model_path)
         self._vocab = self.llama._model.vocab
-        self._format_chat = self._chat_formatter(chat_format)
+        self.prompts = PromptBuilder(self.llama, chat_format)
         # Token ids that end generation (EOS, EOT, ...). ignore_eos bans them.
         self._eog_ids = [
             t
@@ -63,46 +58,25 @@ class LlamaEngine:
 
     # --- prompts ---------------------------------------------------------------
 
-    def _chat_formatter(self, chat_format: str | None):
-        """Pick the chat renderer: the GGUF template, or a named format."""
-        if chat_format in (None, TEMPLATE_CHAT_FORMAT):
-            template = self.llama.metadata.get("tokenizer.chat_template")
-            if template:
-                model = self.llama._model
-                eos, bos = model.token_eos(), model.token_bos()
-                return llama_chat_format.Jinja2ChatFormatter(
-                    template=template,
-                    eos_token=model.token_get_text(eos) if eos != -1 else "",
-                    bos_token=model.token_get_text(bos) if bos != -1 else "",
-                )
-            if chat_format == TEMPLATE_CHAT_FORMAT:
-                raise ValueError("the model has no chat template")
-            chat_format = "llama-2"
-        for name in (chat_format.replace("-", "_"), chat_format.replace("-", "")):
-            formatter = getattr(llama_chat_format, "format_" + name, None)
-            if formatter is not None:
-                return formatter
-        raise ValueError(f"unknown chat format {chat_format!r}")
-
     def _prompt_tokens(self, request: dict) -> tuple[list[int], list[str]]:
-        """Render and tokenise the prompt; return tokens and extra stops."""
-        if request["kind"] == "chat":
-            try:
-                rendered = self._format_chat(messages=request["messages"])
-            except Exception as exc:  # template errors are the caller's input
-                raise RequestRejected("invalid_messages", str(exc)) from None
-            stops = rendered.stop or []
-            stops = [stops] if isinstance(stops, str) else list(stops)
-            tokens = self.llama.tokenize(
-                rendered.prompt.encode("utf-8"),
-                add_bos=not rendered.added_special,
-                special=True,
-            )
-            return tokens, stops
-        prompt = request["prompt"]
-        if prompt == "":
-            return [self.llama.token_bos()], []
-        return self.llama.tokenize(prompt.encode("utf-8"), special=True), []
+        """Tokens from the frontend if it tokenised, else rendered here."""
+        given = request.get("prompt_tokens")
+        if given is not None:
+            n_vocab = self.llama.n_vocab()
+            # Never trust token ids from the network: llama.cpp aborts on some
+            # out-of-range ids instead of returning an error.
+            if not isinstance(given, list) or not given or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab
+                for t in given
+            ):
+                raise RequestRejected("invalid_prompt_tokens",
+                                      "prompt_tokens must be valid token ids")
+            stops = request.get("extra_stops") or []
+            return given, [s for s in stops if isinstance(s, str)]
+        try:
+            return self.prompts.tokens(request)
+        except PromptError as exc:
+            raise RequestRejected("invalid_messages", str(exc)) from None
 
     # --- generation --------------------------------------------------------------
 

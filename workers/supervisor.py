@@ -130,7 +130,10 @@ def run_up(args: argparse.Namespace) -> int:
     if args.model_name:
         worker_argv += ["--model-name", args.model_name]
     frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
-                     "--bind", f"{args.host}:{args.port}", *liveness]
+                     "--bind", f"{args.host}:{args.port}", "--model", model,
+                     "--ctx", str(args.ctx), *liveness]
+    if chat_format:
+        frontend_argv += ["--chat-format", chat_format]
     for key in args.api_key:
         frontend_argv += ["--api-key", key]
     if args.api_key_file:

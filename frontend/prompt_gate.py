@@ -1,0 +1,54 @@
+"""Counting prompt tokens at the door, so an over-long prompt never takes a slot.
+
+Only possible when the frontend can read the model file (its vocabulary is
+loaded, not its weights); ``llamapool up`` always arranges that. A frontend
+without the file passes requests through and the worker refuses an over-long
+prompt before generating (HTTP 400 either way).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from frontend.errors import BadRequest
+
+
+class PromptGate:
+    """Tokenises requests and refuses prompts longer than the context."""
+
+    def __init__(self, model_path: str, chat_format: str | None, n_ctx: int) -> None:
+        self.model_path = model_path
+        self.chat_format = chat_format
+        self.n_ctx = n_ctx
+        self._builder = None
+        self._lock = threading.Lock()
+
+    def _prompts(self):
+        # Loaded on first use, after gunicorn's fork, once per process.
+        if self._builder is None:
+            with self._lock:
+                if self._builder is None:
+                    from workers.prompting import PromptBuilder
+
+                    self._builder = PromptBuilder.vocab_only(
+                        self.model_path, self.chat_format
+                    )
+        return self._builder
+
+    def check(self, generation: dict) -> None:
+        """Attach ``prompt_tokens``; raise 400 if the prompt cannot fit."""
+        from workers.prompting import PromptError
+
+        try:
+            tokens, stops = self._prompts().tokens(generation)
+        except PromptError as exc:
+            raise BadRequest(f"cannot render messages: {exc}", param="messages") from None
+        if len(tokens) >= self.n_ctx:
+            param = "messages" if generation["kind"] == "chat" else "prompt"
+            raise BadRequest(
+                f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx}",
+                param=param,
+                code="context_length_exceeded",
+            )
+        generation["prompt_tokens"] = tokens
+        generation["extra_stops"] = stops

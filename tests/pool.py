@@ -1,0 +1,246 @@
+"""Real processes for tests: broker, model workers and gunicorn over loopback.
+
+Every process is started as users start it (``python -m workers.cli ...``)
+and stopped with SIGTERM; one that does not exit in time fails the test.
+Readiness and recovery are waited for by polling a condition with a
+deadline, never by sleeping a fixed time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import zmq
+
+from protocol import messages
+
+STOP_TIMEOUT_S = 20.0
+#: Fast liveness for tests: a dead peer is noticed within about 0.6 s.
+TEST_HEARTBEAT = ["--heartbeat-interval-s", "0.2", "--heartbeat-liveness", "3"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.02):
+    """Poll ``condition`` until it returns a truthy value or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class Proc:
+    """A child process with its log file."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env=None) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self.log_file = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(
+            argv, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM and wait. Raises if the process hangs (after killing it)."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+        try:
+            code = self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+            raise AssertionError(f"{self.name} hung on SIGTERM; log: {self.log()}")
+        finally:
+            self.log_file.close()
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (gunicorn's children included)."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait()
+        self.log_file.close()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "workers.cli", "--log-level", "info", *args]
+
+
+class BrokerProbe:
+    """Asks the broker for its ledger over the real frontend socket."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def status(self, timeout_s: float = 2.0) -> dict | None:
+        request_id = uuid.uuid4().hex
+        self.sock.send_multipart(messages.Status(request_id).to_wire())
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not self.sock.poll(remaining * 1000):
+                return None
+            msg = messages.decode(self.sock.recv_multipart())
+            if isinstance(msg, messages.StatusReply) and msg.request_id == request_id:
+                return msg.snapshot
+        return None
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+class Pool:
+    """Broker + workers + gunicorn frontend, all real processes."""
+
+    def __init__(self, model_path: Path, run_dir: Path, *, workers: int = 2,
+                 api_keys: tuple[str, ...] = (), frontend_env: dict | None = None,
+                 worker_args: tuple[str, ...] = ()) -> None:
+        self.model_path = model_path
+        self.run_dir = run_dir
+        self.frontends_ep = f"ipc://{run_dir}/frontends"
+        self.workers_ep = f"ipc://{run_dir}/workers"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_keys = api_keys
+        self.worker_args = worker_args
+        self.broker = self._start_broker()
+        self.workers: list[Proc] = []
+        self._worker_serial = 0
+        for _ in range(workers):
+            self.start_worker()
+        env = dict(os.environ)
+        env.update({"LLAMAPOOL_FRONTEND_PROCESSES": "2",
+                    "LLAMAPOOL_FRONTEND_THREADS": "32"})
+        env.update(frontend_env or {})
+        key_args = [a for k in api_keys for a in ("--api-key", k)]
+        self.frontend = Proc(
+            "frontend",
+            cli("frontend", "--broker", self.frontends_ep,
+                "--bind", f"127.0.0.1:{self.port}", "--model", str(model_path),
+                "--ctx", "2048", *key_args, *TEST_HEARTBEAT),
+            run_dir, env=env,
+        )
+        self.probe = BrokerProbe(self.frontends_ep)
+        self.wait_free(workers, timeout_s=60)
+        wait_until(self._http_up, 60, "gunicorn to answer /health")
+
+    def _start_broker(self) -> Proc:
+        return Proc("broker", cli("broker", "--frontends", self.frontends_ep,
+                                  "--workers", self.workers_ep, *TEST_HEARTBEAT),
+                    self.run_dir)
+
+    def start_worker(self) -> Proc:
+        self._worker_serial += 1
+        proc = Proc(
+            f"worker{self._worker_serial}",
+            cli("worker", "--broker", self.workers_ep, "--model", str(self.model_path),
+                "--threads", "1", "--ctx", "2048", *TEST_HEARTBEAT,
+                *self.worker_args),
+            self.run_dir,
+        )
+        self.workers.append(proc)
+        return proc
+
+    def restart_broker(self, kill: bool = False) -> None:
+        if kill:
+            self.broker.kill()
+        else:
+            self.broker.stop()
+        self.broker = self._start_broker()
+
+    def _http_up(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    # --- ledger checks ---------------------------------------------------------
+
+    def status(self) -> dict:
+        snap = self.probe.status()
+        assert snap is not None, "the broker did not answer STATUS"
+        return snap
+
+    def live_workers(self) -> int:
+        return sum(1 for w in self.workers if w.alive())
+
+    def wait_free(self, n: int, timeout_s: float = 15.0) -> dict:
+        """Wait until the ledger shows exactly ``n`` slots, all free."""
+        def whole():
+            snap = self.probe.status(timeout_s=1.0)
+            if snap and snap["slots_total"] == n and snap["slots_free"] == n:
+                return snap
+            return None
+        return wait_until(whole, timeout_s, f"{n} free slots in the broker ledger")
+
+    def assert_whole(self, timeout_s: float = 15.0) -> dict:
+        """Free slots return to the number of live workers."""
+        return self.wait_free(self.live_workers(), timeout_s)
+
+    def logs(self) -> str:
+        procs = [self.broker, self.frontend, *self.workers]
+        return "\n".join(f"--- {p.name}\n{p.log()}" for p in procs)
+
+    def stop(self) -> None:
+        """SIGTERM everything: frontend, workers, broker. All must exit."""
+        self.probe.close()
+        errors = []
+        for proc in [self.frontend, *self.workers, self.broker]:
+            if not proc.alive():
+                continue
+            try:
+                proc.stop()
+            except AssertionError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise AssertionError("; ".join(errors))
+
+
+def sse_events(raw_lines) -> list[dict | str]:
+    """Parse ``data:`` lines of an SSE stream into JSON objects (or '[DONE]')."""
+    events = []
+    for line in raw_lines:
+        if isinstance(line, bytes):
+            line = line.decode()
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
