@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import uuid
 
 import falcon
@@ -53,6 +54,22 @@ def read_json_body(req: falcon.Request, limit_bytes: int):
         raise BadRequest(f"malformed JSON: {exc}") from None
 
 
+def limit_kernel_buffering(req: falcon.Request, sndbuf_bytes: int) -> None:
+    """Cap the kernel send buffer of a streaming connection.
+
+    Credit-based flow control only sees a slow client once writes block. With
+    Linux's send-buffer autotuning a loopback or LAN socket can absorb
+    megabytes first; capping it makes a client that stops reading pause its
+    worker after a bounded amount of output.
+    """
+    sock = req.env.get("gunicorn.socket")
+    if sock is not None and sndbuf_bytes > 0:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf_bytes)
+        except OSError:
+            pass  # not a TCP socket (tests, other servers): nothing to cap
+
+
 class GenerationResource:
     """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
 
@@ -90,6 +107,7 @@ class GenerationResource:
             resp.media = shaper.whole(text, final.finish_reason, final.usage,
                                       final.timings)
             return
+        limit_kernel_buffering(req, s.stream_sndbuf_bytes)
         # From here on the body owns the lease.
         resp.content_type = "text/event-stream"
         resp.set_header("Cache-Control", "no-cache")

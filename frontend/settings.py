@@ -20,6 +20,7 @@ Every default is documented in this one place.
 | LLAMAPOOL_TOKENIZER_MODEL        | (none)         | GGUF to count prompt tokens  |
 | LLAMAPOOL_CHAT_FORMAT            | (template)     | same as the workers' format  |
 | LLAMAPOOL_CTX                    | 2048           | workers' context size        |
+| LLAMAPOOL_STREAM_SNDBUF_BYTES    | 65536          | kernel buffer per SSE stream |
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class FrontendSettings:
     tokenizer_model: str = ""
     chat_format: str | None = None
     n_ctx: int = 2048
+    stream_sndbuf_bytes: int = 65536
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FrontendSettings:
@@ -97,4 +99,7 @@ class FrontendSettings:
             tokenizer_model=env.get("LLAMAPOOL_TOKENIZER_MODEL", ""),
             chat_format=env.get("LLAMAPOOL_CHAT_FORMAT") or None,
             n_ctx=number("LLAMAPOOL_CTX", cls.n_ctx, int),
+            stream_sndbuf_bytes=number(
+                "LLAMAPOOL_STREAM_SNDBUF_BYTES", cls.stream_sndbuf_bytes, int
+            ),
         )

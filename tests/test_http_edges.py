@@ -1,0 +1,179 @@
+"""API keys and bad input, through real gunicorn.
+
+Bad input gets a clear error, never reaches a worker, and never takes a slot:
+the broker's ``submitted`` counter must not move.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import openai
+import pytest
+
+from tests.pool import Pool
+
+pytestmark = pytest.mark.stack
+
+KEY = "sk-test-Zq81-unique-key-7731"
+INVALID = {"error": {"message": "Invalid API Key", "type": "authentication_error"}}
+PUBLIC = ["/health", "/v1/health", "/models", "/v1/models"]
+
+
+@pytest.fixture(scope="module")
+def keyed_pool(tiny_model, tmp_path_factory):
+    p = Pool(tiny_model, tmp_path_factory.mktemp("keyed"), workers=1,
+             api_keys=(KEY, "second-key"),
+             frontend_env={"LLAMAPOOL_MAX_BODY_BYTES": "65536"})
+    yield p
+    p.stop()
+
+
+def _post(pool, headers=None, **kw):
+    kw.setdefault("json", {"prompt": "Hi", "max_tokens": 2})
+    return httpx.post(pool.url + "/v1/completions", headers=headers or {}, **kw)
+
+
+# --- auth --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("headers", [
+    {},
+    {"Authorization": "Bearer wrong"},
+    {"Authorization": f"Basic {KEY}"},
+    {"X-Api-Key": "wrong"},
+    {"Authorization": "Bearer"},
+    {"Authorization": f"Bearer {KEY}x"},
+])
+def test_missing_or_bad_key_gets_401(keyed_pool, headers):
+    r = _post(keyed_pool, headers)
+    assert r.status_code == 401
+    assert r.json() == INVALID
+
+
+@pytest.mark.parametrize("headers", [
+    {"Authorization": f"Bearer {KEY}"},
+    {"authorization": f"bearer {KEY}"},
+    {"X-Api-Key": KEY},
+    {"Authorization": "Bearer second-key"},
+])
+def test_good_key_in_either_header(keyed_pool, headers):
+    r = _post(keyed_pool, headers)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path", PUBLIC)
+def test_public_endpoints_need_no_key(keyed_pool, path):
+    r = httpx.get(keyed_pool.url + path)
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_public_page_is_not_401(keyed_pool):
+    assert httpx.get(keyed_pool.url + "/").status_code == 404
+
+
+def test_slots_is_protected(keyed_pool):
+    assert httpx.get(keyed_pool.url + "/slots").status_code == 401
+    r = httpx.get(keyed_pool.url + "/slots", headers={"X-Api-Key": KEY})
+    assert r.status_code == 200 and len(r.json()) == 1
+
+
+def test_openai_client_with_key(keyed_pool):
+    client = openai.OpenAI(base_url=keyed_pool.url + "/v1", api_key=KEY, max_retries=0)
+    assert client.completions.create(model="m", prompt="Hi", max_tokens=2).usage
+    bad = openai.OpenAI(base_url=keyed_pool.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="m", prompt="Hi", max_tokens=2)
+
+
+def test_key_never_logged(keyed_pool):
+    _post(keyed_pool, {"X-Api-Key": KEY})
+    _post(keyed_pool, {"X-Api-Key": "wrong-key-abcdef"})
+    logs = keyed_pool.logs()
+    assert KEY not in logs and "wrong-key-abcdef" not in logs
+    assert KEY[-4:] in keyed_pool.frontend.log()  # the startup line's suffix
+
+
+# --- bad input ---------------------------------------------------------------------
+
+AUTH = {"X-Api-Key": KEY}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "Hi", "max_tokens": "8"}, "max_tokens"),
+    ({"prompt": "Hi", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "Hi", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "Hi", "n": 2}, "n"),
+    ({"prompt": 42}, "prompt"),
+    ({"prompt": "Hi", "temperature": "hot"}, "temperature"),
+    ({"prompt": "Hi", "temperature": 9}, "temperature"),
+    ({"prompt": "Hi", "stop": [1, 2]}, "stop"),
+    ({"prompt": "Hi", "stream": "yes"}, "stream"),
+    ({"prompt": "Hi", "seed": -5}, "seed"),
+    ({"prompt": "Hello " * 3000}, "prompt"),
+])
+def test_bad_completion_field_is_400_naming_it(keyed_pool, body, param):
+    before = keyed_pool.status()["counters"].get("submitted", 0)
+    r = _post(keyed_pool, AUTH, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert keyed_pool.status()["counters"].get("submitted", 0) == before
+
+
+def test_prompt_longer_than_context_names_the_reason(keyed_pool):
+    r = _post(keyed_pool, AUTH, json={"prompt": "Hello " * 3000})
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    r = httpx.post(keyed_pool.url + "/v1/chat/completions", headers=AUTH, json={
+        "messages": [{"role": "user", "content": "world " * 3000}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3},
+     "max_completion_tokens"),
+])
+def test_bad_chat_field_is_400(keyed_pool, body, param):
+    r = httpx.post(keyed_pool.url + "/v1/chat/completions", headers=AUTH, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe", b"null"])
+def test_malformed_json_is_400(keyed_pool, raw):
+    r = _post(keyed_pool, {**AUTH, "Content-Type": "application/json"}, json=None,
+              content=raw)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_oversized_body_is_413(keyed_pool):
+    before = keyed_pool.status()["counters"].get("submitted", 0)
+    r = _post(keyed_pool, AUTH, json={"prompt": "x" * 70000})
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+    assert keyed_pool.status()["counters"].get("submitted", 0) == before
+
+
+def test_garbage_http_does_not_hurt(keyed_pool):
+    """Broken request lines and headers: the server answers and stays up."""
+    for raw in [b"GARBAGE\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nContent-Length: "
+                b"zz\r\n\r\n", b"\x00\x01\x02\r\n\r\n"]:
+        with socket.create_connection(("127.0.0.1", keyed_pool.port), timeout=5) as s:
+            s.sendall(raw)
+            s.recv(1024)
+    assert _post(keyed_pool, AUTH).status_code == 200
+    keyed_pool.assert_whole()
+
+
+def test_unknown_route_and_method(keyed_pool):
+    assert httpx.get(keyed_pool.url + "/v1/nothing", headers=AUTH).status_code == 404
+    r = httpx.get(keyed_pool.url + "/v1/completions", headers=AUTH)
+    assert r.status_code == 405 and "error" in r.json()
