@@ -16,7 +16,7 @@ Peers and what they send:
 * frontend -> broker: HELLO, SUBMIT, CANCEL, CREDIT, STATUS, HEARTBEAT
 * broker -> frontend: ACCEPTED, NO_SLOT, TOKEN, FINAL, ERROR, STATUS_REPLY,
   HEARTBEAT, DISCONNECT
-* worker -> broker: READY, TOKEN, FINAL, ERROR, HEARTBEAT
+* worker -> broker: LOADING, READY, TOKEN, FINAL, ERROR, HEARTBEAT, DISCONNECT
 * broker -> worker: SUBMIT, CANCEL, CREDIT, HEARTBEAT, DISCONNECT
 
 ``decode`` validates every field's type at the socket edge and raises
@@ -128,6 +128,16 @@ class Ready(Message):
     pid: int
     host: str
     engine: str = "llama.cpp"
+
+
+@_register(0x05, worker_name=_STR, model=_STR, pid=_INT, host=_STR)
+class Loading(Message):
+    """Worker -> broker: I exist and am loading ``model``; no jobs yet."""
+
+    worker_name: str
+    model: str
+    pid: int
+    host: str
 
 
 @_register(0x02, pid=_INT, host=_STR)

@@ -28,6 +28,7 @@ import zmq
 
 from protocol import messages, timing
 from workers import ledger as ledger_mod
+from workers.pool_stats import PoolStats
 from workers.signals import StopFlag
 
 log = logging.getLogger("llamapool.broker")
@@ -55,10 +56,10 @@ class Broker:
             settings.heartbeat_interval_s * settings.heartbeat_liveness
         )
         self.counters: collections.Counter[str] = collections.Counter()
-        # Disconnect-to-release latency of recent cancelled jobs, seconds.
-        self.cancel_release_s: collections.deque[float] = collections.deque(
-            maxlen=4096
-        )
+        self.stats = PoolStats()
+        # Deaths per host not yet followed by a new registration from that
+        # host: the next READY from it counts as a restart.
+        self._deaths_by_host: collections.Counter[str] = collections.Counter()
         self._frontend_sock: zmq.Socket | None = None
         self._worker_sock: zmq.Socket | None = None
 
@@ -239,9 +240,20 @@ class Broker:
 
     def _on_worker_frames(self, ident: bytes, msg: messages.Message, raw) -> None:
         now = time.monotonic()
+        if isinstance(msg, messages.Loading):
+            if ident not in self.ledger.workers:
+                log.info("worker loading: name=%s pid=%d host=%s model=%s",
+                         msg.worker_name, msg.pid, msg.host, msg.model)
+            self.ledger.register_loading(ident, msg, now)
+            return
         if isinstance(msg, messages.Ready):
+            self.counters["worker_registrations"] += 1
+            if self._deaths_by_host[msg.host] > 0:
+                self._deaths_by_host[msg.host] -= 1
+                self.counters["worker_restarts"] += 1
             slot, orphan = self.ledger.register_worker(ident, msg, now)
             if orphan is not None:
+                self.stats.job_lost()
                 self._fail_job(orphan, "worker_restarted", "worker re-registered")
             log.info(
                 "worker registered: slot=%d name=%s pid=%d host=%s model=%s",
@@ -271,7 +283,7 @@ class Broker:
             job = self.ledger.jobs[msg.job_id]
             delivered = self._to_frontend(job.frontend, raw)
             if isinstance(msg, messages.TERMINAL):
-                self._finish(job, now)
+                self._finish(job, msg, now)
             elif not delivered:
                 # Its frontend is gone: stop the work instead of computing
                 # tokens nobody will read.
@@ -281,14 +293,13 @@ class Broker:
             log.warning("worker sent %s; disconnecting it", type(msg).__name__)
             self._to_worker(ident, messages.Disconnect("unexpected command"))
 
-    def _finish(self, job: ledger_mod.Job, now: float) -> None:
+    def _finish(self, job: ledger_mod.Job, msg: messages.Message, now: float) -> None:
         self.ledger.finish(job.job_id, now)
+        self.stats.job_ended(msg, job.cancel_requested_at, now)
         slot = self.ledger.workers.get(job.worker)
         if slot is not None and slot.draining:
             self.ledger.remove_worker(job.worker)
         self.counters["finished"] += 1
-        if job.cancel_requested_at is not None:
-            self.cancel_release_s.append(now - job.cancel_requested_at)
 
     def _fail_job(self, job: ledger_mod.Job, code: str, message: str) -> None:
         self.counters["failed_" + code] += 1
@@ -299,11 +310,13 @@ class Broker:
         orphan = self.ledger.remove_worker(ident)
         self.counters["worker_deaths"] += 1
         if slot is not None:
+            self._deaths_by_host[slot.info.host] += 1
             log.warning(
                 "worker lost (%s): slot=%d pid=%d host=%s",
                 why, slot.slot_id, slot.info.pid, slot.info.host,
             )
         if orphan is not None:
+            self.stats.job_lost()
             self._fail_job(orphan, "worker_died", "the model worker died mid-job")
 
     # --- liveness ----------------------------------------------------------------
@@ -328,11 +341,8 @@ class Broker:
     def snapshot(self, now: float) -> dict:
         snap = self.ledger.snapshot(now)
         snap["counters"] = dict(self.counters)
-        lat = sorted(self.cancel_release_s)
-        snap["cancel_release_s"] = {
-            "count": len(lat),
-            "p50": lat[len(lat) // 2] if lat else None,
-            "max": lat[-1] if lat else None,
-        }
+        snap["stats"] = self.stats.to_dict()
+        # Kept at the top level too: tests and operators read it directly.
+        snap["cancel_release_s"] = snap["stats"]["cancel_release_s"]
         snap["retry_after_s"] = self.ledger.retry_after_s()
         return snap

@@ -6,6 +6,7 @@ broker is its only owner.
 
 A worker is one slot. Its states:
 
+* ``loading``: announced itself, still loading its model; gets no job;
 * ``idle``: registered, free for a job;
 * ``busy``: running a job;
 * ``cancelling``: its frontend asked to cancel; still busy until the worker's
@@ -18,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 
 from protocol import messages, timing
 
+LOADING = "loading"
 IDLE = "idle"
 BUSY = "busy"
 CANCELLING = "cancelling"
@@ -93,10 +96,13 @@ class Ledger:
         a worker only sends READY when it is idle, so the job is over and its
         frontend must be told.
         """
+        previous = self.workers.get(identity)
         orphan = self.remove_worker(identity)
+        # A loading worker keeps its slot id when it becomes ready.
+        slot_id = previous.slot_id if previous is not None else next(self._slot_ids)
         slot = WorkerSlot(
             identity=identity,
-            slot_id=next(self._slot_ids),
+            slot_id=slot_id,
             info=ready,
             last_seen=now,
             registered_at=now,
@@ -104,6 +110,20 @@ class Ledger:
         )
         self.workers[identity] = slot
         return slot, orphan
+
+    def register_loading(
+        self, identity: bytes, info: messages.Loading, now: float
+    ) -> WorkerSlot:
+        """A worker that is still loading: visible, never assigned."""
+        slot = self.workers.get(identity)
+        if slot is None:
+            ready = messages.Ready(info.worker_name, info.model, 0, info.pid,
+                                   info.host)
+            slot = WorkerSlot(identity, next(self._slot_ids), ready, now, now,
+                              state=LOADING)
+            self.workers[identity] = slot
+        slot.last_seen = now
+        return slot
 
     def remove_worker(self, identity: bytes) -> Job | None:
         """Forget a worker; return the job it held, if any (now orphaned)."""
@@ -197,7 +217,20 @@ class Ledger:
         )
 
     def live_slots(self) -> int:
-        return len(self.workers)
+        """Slots that are registered and loaded (what "whole" is measured against)."""
+        return sum(1 for w in self.workers.values() if w.state != LOADING)
+
+    def busy_slots(self) -> int:
+        return sum(1 for w in self.workers.values() if w.state in (BUSY, CANCELLING))
+
+    def kv_cache_usage(self) -> float:
+        """Mean KV-cache fill of the busy slots (0.0 when none is busy)."""
+        levels = [
+            min(1.0, w.progress.get("n_ctx_used", 0) / w.info.n_ctx)
+            for w in self.workers.values()
+            if w.state in (BUSY, CANCELLING) and w.info.n_ctx > 0
+        ]
+        return sum(levels) / len(levels) if levels else 0.0
 
     def retry_after_s(self) -> float:
         """Estimate when a slot frees up, from busy workers' live progress.
@@ -232,9 +265,13 @@ class Ledger:
                     "model": w.info.model,
                     "engine": w.info.engine,
                     "n_ctx": w.info.n_ctx,
-                    "lease_taken_at": w.lease_taken_at,
                     "lease_age_s": (now - w.lease_taken_at)
-                    if w.lease_taken_at
+                    if w.lease_taken_at is not None
+                    else None,
+                    # Wall-clock time the lease was taken (the ledger runs on
+                    # the monotonic clock; this converts for humans).
+                    "lease_taken_at": time.time() - (now - w.lease_taken_at)
+                    if w.lease_taken_at is not None
                     else None,
                     "jobs_served": w.jobs_served,
                     "progress": dict(w.progress),
@@ -242,8 +279,11 @@ class Ledger:
             )
         return {
             "slots": slots,
-            "slots_total": len(self.workers),
+            "slots_total": self.live_slots(),
+            "slots_loading": len(self.workers) - self.live_slots(),
+            "slots_busy": self.busy_slots(),
             "slots_free": self.free_slots(),
+            "kv_cache_usage_level": self.kv_cache_usage(),
             "jobs": len(self.jobs),
             "frontends": len(self.frontends),
         }

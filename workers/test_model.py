@@ -78,7 +78,8 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     # Longer pieces score higher so that whole words win over fragments;
     # non-normal tokens get 0 like sentencepiece exports.
     scores = [
-        float(len(p)) if t == TokenType.NORMAL else 0.0 for p, t in zip(pieces, types)
+        float(len(p)) if t == TokenType.NORMAL else 0.0
+        for p, t in zip(pieces, types, strict=True)
     ]
     return pieces, scores, [int(t) for t in types]
 

@@ -1,0 +1,106 @@
+"""Pool-wide counters, kept by the broker because every job's end passes it.
+
+The frontends' ``/metrics`` render these (as ``llama_*`` series, matching
+llama.cpp's server names), so the numbers cover the whole pool however many
+frontend processes and hosts there are. They reset when the broker restarts,
+which Prometheus handles as a counter reset.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+
+from protocol import messages
+
+#: Buckets (seconds) for disconnect-to-release latency.
+RELEASE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0, 10.0)
+
+
+class FixedHistogram:
+    """A Prometheus-style cumulative histogram that msgpack can carry."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+        self.recent: collections.deque[float] = collections.deque(maxlen=4096)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+        self.recent.append(value)
+
+    def to_dict(self) -> dict:
+        cumulative, running = [], 0
+        for c in self.counts:
+            running += c
+            cumulative.append(running)
+        recent = sorted(self.recent)
+        return {
+            "buckets": list(self.buckets),
+            "cumulative": cumulative,
+            "sum": self.sum,
+            "count": self.count,
+            "p50": recent[len(recent) // 2] if recent else None,
+            "max": recent[-1] if recent else None,
+        }
+
+
+class PoolStats:
+    """Totals over every job the broker has seen end."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.tokens_generated = 0
+        self.request_success = 0
+        self.request_fail = 0
+        self.prompt_seconds = 0.0
+        self.tokens_seconds = 0.0
+        self.cancelled = 0
+        self.release_after_cancel = FixedHistogram(RELEASE_BUCKETS_S)
+
+    def job_ended(self, msg: messages.Message, cancel_requested_at: float | None,
+                  now: float) -> None:
+        if isinstance(msg, messages.Final):
+            usage, timings = msg.usage, msg.timings
+            self.prompt_tokens += _int(timings.get("prompt_n"))
+            self.tokens_generated += _int(usage.get("completion_tokens"))
+            self.prompt_seconds += _num(timings.get("prompt_ms")) / 1000
+            self.tokens_seconds += _num(timings.get("predicted_ms")) / 1000
+            if msg.finish_reason == "cancelled":
+                self.cancelled += 1
+            else:
+                self.request_success += 1
+        else:
+            self.request_fail += 1
+        if cancel_requested_at is not None:
+            self.release_after_cancel.observe(now - cancel_requested_at)
+
+    def job_lost(self) -> None:
+        """A job whose worker died: it never sent a terminal frame."""
+        self.request_fail += 1
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens_total": self.prompt_tokens,
+            "tokens_generated_total": self.tokens_generated,
+            "request_success_total": self.request_success,
+            "request_fail_total": self.request_fail,
+            "request_cancelled_total": self.cancelled,
+            "prompt_seconds_total": self.prompt_seconds,
+            "tokens_seconds_total": self.tokens_seconds,
+            "cancel_release_s": self.release_after_cancel.to_dict(),
+        }
+
+
+def _int(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _num(value) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok and value >= 0 else 0.0
