@@ -122,7 +122,7 @@ def run_broker(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from workers.model_worker import ModelWorker, WorkerSettings
+    from workers.model_worker import EngineLoadError, ModelWorker, WorkerSettings
     from workers.signals import StopFlag
 
     log = logging.getLogger("llamapool.worker")
@@ -132,23 +132,24 @@ def run_worker(args: argparse.Namespace) -> int:
         return EXIT_MODEL_LOAD
     from workers.llama_engine import LlamaEngine
 
-    try:
-        engine = LlamaEngine(
+    def load_engine() -> LlamaEngine:
+        return LlamaEngine(
             args.model, n_ctx=args.ctx, n_threads=args.threads,
             chat_format=args.chat_format, model_name=args.model_name,
         )
-    except Exception as exc:
-        log.error("cannot load model %s: %s", args.model, exc)
-        return EXIT_MODEL_LOAD
-    log.info("model loaded: %s (n_ctx=%d)", engine.model_name, engine.n_ctx)
+
     worker = ModelWorker(WorkerSettings(
         broker_endpoint=args.broker,
         heartbeat_interval_s=args.heartbeat_interval_s,
         heartbeat_liveness=args.heartbeat_liveness,
         stall_timeout_s=args.stall_timeout_s,
         shutdown_grace_s=args.shutdown_grace_s,
-    ), engine)
-    worker.run(stop)
+    ), load_engine, args.model_name or os.path.basename(args.model))
+    try:
+        worker.run(stop)
+    except EngineLoadError as exc:
+        log.error("cannot load model %s: %s", args.model, exc)
+        return EXIT_MODEL_LOAD
     return EXIT_OK
 
 

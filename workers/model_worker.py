@@ -27,6 +27,8 @@ import uuid
 
 import zmq
 
+from collections.abc import Callable
+
 from protocol import messages, timing
 from workers.engine import Engine, RequestRejected
 from workers.signals import StopFlag
@@ -44,6 +46,10 @@ class WorkerSettings:
     #: After SIGTERM, how long the running job may continue before it is ended.
     shutdown_grace_s: float = 30.0
     worker_name: str = ""
+
+
+class EngineLoadError(RuntimeError):
+    """The model (engine) could not be loaded; the worker cannot serve."""
 
 
 class ActiveJob:
@@ -120,10 +126,18 @@ class ModelWorker:
     """Connects one engine to the broker."""
 
     def __init__(
-        self, settings: WorkerSettings, engine: Engine, ctx: zmq.Context | None = None
+        self,
+        settings: WorkerSettings,
+        load_engine: Callable[[], Engine],
+        model_label: str,
+        ctx: zmq.Context | None = None,
     ) -> None:
         self.settings = settings
-        self.engine = engine
+        self._load_engine = load_engine
+        self.model_label = model_label
+        #: None until the model has loaded; the I/O thread sends LOADING
+        #: heartbeats until then, and READY after.
+        self.engine: Engine | None = None
         self.ctx = ctx or zmq.Context.instance()
         self.name = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self._jobs: queue.SimpleQueue[ActiveJob] = queue.SimpleQueue()
@@ -147,6 +161,12 @@ class ModelWorker:
         )
         io.start()
         try:
+            try:
+                self.engine = self._load_engine()
+            except Exception as exc:
+                raise EngineLoadError(str(exc)) from exc
+            log.info("model loaded: %s (n_ctx=%d)", self.engine.model_name,
+                     self.engine.n_ctx)
             while not stop.is_set():
                 try:
                     job = self._jobs.get(timeout=0.2)
@@ -163,6 +183,7 @@ class ModelWorker:
                 job.cancel()
                 self._run_job(job, outbox)
         finally:
+            stop.set()  # also on a failed load: the I/O thread says goodbye
             self._io_done.wait(timeout=self.settings.heartbeat_interval_s * 3)
             outbox.close(linger=0)
             log.info("worker %s stopped after %d jobs", self.name, self.jobs_done)
@@ -231,7 +252,8 @@ class ModelWorker:
         try:
             while True:
                 now = time.monotonic()
-                if not registered and job is None and not stop.is_set():
+                if (not registered and job is None and self.engine is not None
+                        and not stop.is_set()):
                     dealer.send_multipart(self._ready_message().to_wire())
                     registered = True
                     log.info("worker %s sent READY", self.name)
@@ -264,8 +286,13 @@ class ModelWorker:
                         job.orphaned = True
                         job.cancel()
                 if now >= next_beat:
-                    progress = job.progress if job is not None else {}
-                    dealer.send_multipart(messages.Heartbeat(progress).to_wire())
+                    if self.engine is None:
+                        beat = messages.Loading(self.name, self.model_label,
+                                                os.getpid(), socket.gethostname())
+                    else:
+                        progress = job.progress if job is not None else {}
+                        beat = messages.Heartbeat(progress)
+                    dealer.send_multipart(beat.to_wire())
                     next_beat = now + s.heartbeat_interval_s
         finally:
             dealer.close(linger=500)
