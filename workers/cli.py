@@ -1,6 +1,7 @@
 """The ``llamapool`` command.
 
-Subcommands: ``up``, ``broker``, ``worker``, ``frontend``, ``make-test-model``.
+Subcommands: ``up``, ``broker``, ``worker``, ``frontend``, ``make-test-model``,
+``bench``.
 Each flag also has a ``LLAMAPOOL_*`` environment variable where noted.
 """
 
@@ -54,6 +55,65 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="name reported in /v1/models (default: file name)")
 
 
+#: Engines a worker can run (``--engine``); llama.cpp is the only real one.
+ENGINES = ("llama.cpp", "synthetic")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, not {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return value
+
+
+def _add_bench_parser(sub) -> None:
+    bench = sub.add_parser(
+        "bench", help="load-test an OpenAI-compatible server (streamed requests)",
+        description="Streams requests at URL from --concurrency clients and "
+                    "reports requests/s, output tokens/s, TTFT, inter-token and "
+                    "end-to-end latency percentiles, HTTP statuses (503 apart) "
+                    "and errors. Exits 0 even when requests failed.",
+    )
+    bench.add_argument("url", help="server base URL, with or without /v1")
+    bench.add_argument("--concurrency", "-c", type=_positive_int, default=1)
+    amount = bench.add_mutually_exclusive_group()
+    amount.add_argument("--requests", "-n", type=_positive_int, default=None,
+                        help="total requests to send (default 100)")
+    amount.add_argument("--duration", type=_positive_float, default=None,
+                        help="send for this many seconds instead")
+    bench.add_argument("--max-tokens", type=_non_negative_int, default=64)
+    bench.add_argument("--chat", action="store_true",
+                       help="use /v1/chat/completions (default: /v1/completions)")
+    prompt = bench.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, help="prompt text")
+    prompt.add_argument("--prompt-file", default=None, help="read the prompt from F")
+    bench.add_argument("--api-key", default=None,
+                       help="bearer key (default: LLAMAPOOL_API_KEY)")
+    bench.add_argument("--ignore-eos", action="store_true",
+                       help="send ignore_eos, so every request runs to max_tokens")
+    bench.add_argument("--model", default=None, help="the request's model field")
+    bench.add_argument("--timeout", type=_positive_float, default=600.0,
+                       help="per-request timeout in seconds")
+    bench.add_argument("--json", action="store_true",
+                       help="print the report as one JSON object on stdout")
+    bench.add_argument("--no-progress", action="store_true",
+                       help="no progress line on stderr (off anyway if not a tty)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llamapool", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("LLAMAPOOL_LOG_LEVEL",
@@ -76,7 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="one model worker")
     worker.add_argument("--broker", required=True, help="broker workers endpoint")
-    worker.add_argument("--model", required=True, help="GGUF path")
+    worker.add_argument("--model", default=None,
+                        help="GGUF path (required with --engine llama.cpp)")
+    worker.add_argument("--engine", choices=ENGINES, default="llama.cpp",
+                        help="llama.cpp, or synthetic: a stand-in with no model "
+                             "that emits 'tok0 tok1 ...' at --tokens-per-second")
+    worker.add_argument("--tokens-per-second", type=_positive_float, default=50.0,
+                        help="output rate of the synthetic engine")
     worker.add_argument("--stall-timeout-s", type=float, default=timing.STALL_TIMEOUT_S)
     worker.add_argument("--shutdown-grace-s", type=float, default=30.0)
     _add_model_flags(worker)
@@ -96,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("make-test-model", help="write the tiny test GGUF")
     model.add_argument("path")
+    _add_bench_parser(sub)
     return parser
 
 
@@ -126,29 +193,45 @@ def run_worker(args: argparse.Namespace) -> int:
     from workers.signals import StopFlag
 
     log = logging.getLogger("llamapool.worker")
+    if args.engine == "synthetic":
+        from workers.synthetic_engine import SyntheticEngine
+
+        def load_engine() -> SyntheticEngine:
+            return SyntheticEngine(tokens_per_second=args.tokens_per_second,
+                                   n_ctx=args.ctx, model_name=args.model_name)
+
+        label = args.model_name or SyntheticEngine.name
+        log.info("synthetic engine at %g tokens/s: no model is loaded",
+                 args.tokens_per_second)
+    else:
+        if args.model is None:
+            print("llamapool worker: --model PATH is required with --engine "
+                  "llama.cpp (the default)", file=sys.stderr)
+            return EXIT_USAGE
+        if not os.path.isfile(args.model):
+            log.error("model file not found: %s", args.model)
+            return EXIT_MODEL_LOAD
+        from workers.llama_engine import LlamaEngine
+
+        def load_engine() -> LlamaEngine:
+            return LlamaEngine(
+                args.model, n_ctx=args.ctx, n_threads=args.threads,
+                chat_format=args.chat_format, model_name=args.model_name,
+            )
+
+        label = args.model_name or os.path.basename(args.model)
     stop = StopFlag().install()
-    if not os.path.isfile(args.model):
-        log.error("model file not found: %s", args.model)
-        return EXIT_MODEL_LOAD
-    from workers.llama_engine import LlamaEngine
-
-    def load_engine() -> LlamaEngine:
-        return LlamaEngine(
-            args.model, n_ctx=args.ctx, n_threads=args.threads,
-            chat_format=args.chat_format, model_name=args.model_name,
-        )
-
     worker = ModelWorker(WorkerSettings(
         broker_endpoint=args.broker,
         heartbeat_interval_s=args.heartbeat_interval_s,
         heartbeat_liveness=args.heartbeat_liveness,
         stall_timeout_s=args.stall_timeout_s,
         shutdown_grace_s=args.shutdown_grace_s,
-    ), load_engine, args.model_name or os.path.basename(args.model))
+    ), load_engine, label)
     try:
         worker.run(stop)
     except EngineLoadError as exc:
-        log.error("cannot load model %s: %s", args.model, exc)
+        log.error("cannot load model %s: %s", args.model or label, exc)
         return EXIT_MODEL_LOAD
     return EXIT_OK
 
@@ -190,6 +273,20 @@ def run_make_test_model(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def run_bench(args: argparse.Namespace) -> int:
+    try:
+        from frontend import loadgen
+    except ImportError as exc:
+        print(f"llamapool bench needs httpx ({exc}); pip install httpx",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if args.prompt_file and not os.path.isfile(args.prompt_file):
+        print(f"llamapool bench: no such prompt file: {args.prompt_file}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    return loadgen.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level)
@@ -202,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "worker": run_worker,
         "frontend": run_frontend,
         "make-test-model": run_make_test_model,
+        "bench": run_bench,
     }
     return handlers[args.command](args)
 

@@ -1,0 +1,123 @@
+"""A stand-in engine with no model: fixed-rate, deterministic tokens.
+
+``llamapool worker --engine synthetic --tokens-per-second R`` serves with this
+instead of llama.cpp, so the broker, the frontend and the load generator can
+be measured and tested without the cost (or the noise) of a real model.
+It is not a model and never pretends to be one: READY says engine
+``synthetic`` and ``/v1/models`` and ``/slots`` show it.
+
+It keeps every promise a real engine keeps to the worker: ``max_tokens``
+and the context size, stop strings that never leak
+(``workers.stop_strings``), credit before each frame, a cancel check between
+tokens, and live progress. Output token ``i`` is the text ``tok{i}``,
+separated by spaces: ``"tok0 tok1 tok2"``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from workers.engine import GenerationResult, JobSink, RequestRejected
+from workers.stop_strings import StopStringFilter
+
+DEFAULT_TOKENS_PER_SECOND = 50.0
+
+
+def count_prompt_tokens(request: dict) -> int:
+    """Tokens from the frontend's tokeniser if it sent them, else words."""
+    given = request.get("prompt_tokens")
+    if isinstance(given, list) and given:
+        return len(given)
+    if request.get("kind") == "chat":
+        words = sum(
+            len(str(m.get("content", "")).split())
+            for m in request.get("messages") or []
+            if isinstance(m, dict)
+        )
+    else:
+        words = len(str(request.get("prompt", "")).split())
+    return max(1, words)  # a real model always sees at least BOS
+
+
+def token_text(index: int) -> str:
+    """The deterministic text of output token ``index``."""
+    return f"tok{index}" if index == 0 else f" tok{index}"
+
+
+class SyntheticEngine:
+    """Emits ``tok0 tok1 ...`` at ``tokens_per_second``, one job at a time."""
+
+    name = "synthetic"
+
+    def __init__(
+        self,
+        *,
+        tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND,
+        n_ctx: int = 2048,
+        model_name: str | None = None,
+    ) -> None:
+        if tokens_per_second <= 0:
+            raise ValueError("tokens_per_second must be positive")
+        self.tokens_per_second = tokens_per_second
+        self.n_ctx = n_ctx
+        self.model_name = model_name or "synthetic"
+
+    def run(self, request: dict, sink: JobSink) -> GenerationResult:
+        started = time.perf_counter()
+        n_prompt = count_prompt_tokens(request)
+        if n_prompt >= self.n_ctx:
+            raise RequestRejected(
+                "context_length_exceeded",
+                f"the prompt is {n_prompt} tokens; the context holds {self.n_ctx}",
+            )
+        room = self.n_ctx - n_prompt
+        asked = request.get("max_tokens")
+        max_tokens = room if asked is None else min(asked, room)
+        stops = list(request.get("stop") or []) + list(
+            request.get("extra_stops") or []
+        )
+        stopper = StopStringFilter([s for s in stops if isinstance(s, str)])
+        interval_s = 1.0 / self.tokens_per_second
+
+        n_generated = 0
+        unsent_tokens = 0
+        finish = "length"
+        while n_generated < max_tokens:
+            # Pace against the start, not the previous token, so the rate
+            # holds on average even when a sleep overshoots.
+            due = started + (n_generated + 1) * interval_s
+            delay = due - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            n_generated += 1
+            unsent_tokens += 1
+            text = stopper.push(token_text(n_generated - 1))
+            if text:
+                if not sink.wait_for_credit():
+                    finish = "cancelled"
+                    break
+                sink.emit(text, unsent_tokens)
+                unsent_tokens = 0
+            if stopper.stopped:
+                finish = "stop"
+                break
+            elapsed = time.perf_counter() - started
+            sink.report_progress(
+                n_prompt, n_generated, max_tokens,
+                n_generated / elapsed if elapsed > 0 else 0.0,
+                n_prompt + n_generated,
+            )
+            if sink.should_stop():
+                finish = "cancelled"
+                break
+        ended = time.perf_counter()
+        first_token_s = min(interval_s, ended - started) if n_generated else 0.0
+        return GenerationResult(
+            finish_reason=finish,
+            prompt_tokens=n_prompt,
+            completion_tokens=n_generated,
+            cached_tokens=0,
+            prompt_ms=first_token_s * 1000,
+            predicted_ms=(ended - started - first_token_s) * 1000,
+            tail_text="" if finish == "cancelled" else stopper.flush(),
+        )
