@@ -34,3 +34,26 @@ loglevel = os.environ.get("LLAMAPOOL_LOG_LEVEL", "info")
 # gunicorn's runtime control socket defaults to one fixed path per user, which
 # several frontends on one host (tests, one per port) would fight over.
 control_socket_disable = True
+
+
+# --- Prometheus multiprocess mode --------------------------------------------
+# PROMETHEUS_MULTIPROC_DIR is set before Python starts (by `llamapool
+# frontend`, or the systemd unit). Stale files from an earlier run would be
+# summed into this one's counters, so the directory is wiped at start, and a
+# dead worker's live gauges are dropped when it exits.
+
+
+def on_starting(server):
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if path:
+        os.makedirs(path, exist_ok=True)
+        for name in os.listdir(path):
+            if name.endswith(".db"):
+                os.remove(os.path.join(path, name))
+
+
+def child_exit(server, worker):
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid)

@@ -13,13 +13,14 @@ import uuid
 
 import falcon
 
-from frontend import openai_schema
+from frontend import metrics, openai_schema
 from frontend.auth import ApiKeyMiddleware
 from frontend.broker_link import BrokerLink
 from frontend.errors import BadRequest, PayloadTooLarge, install_error_handlers
 from frontend.generation import collect, start_job
 from frontend.openai_format import ResponseShaper
 from frontend.prompt_gate import PromptGate
+from frontend.request_log import RequestLogMiddleware
 from frontend.settings import FrontendSettings
 from frontend.sse import EventStreamBody
 
@@ -88,12 +89,17 @@ class GenerationResource:
         parsed = self.parse(read_json_body(req, s.max_body_bytes))
         if self.gate is not None:
             self.gate.check(parsed.generation)
+        record = req.context.record
+        record.stream = parsed.stream
         job = start_job(
             self.link,
             parsed.generation,
             submit_timeout_s=s.submit_timeout_s,
             frame_timeout_s=s.frame_timeout_s,
+            outcome=record.expect_job(),
+            on_release=record.lease_released,
         )
+        record.slot_id = job.slot_id
         shaper = ResponseShaper(
             self.kind,
             req.context.request_id,
@@ -176,6 +182,19 @@ class HealthResource:
         }
 
 
+class MetricsResource:
+    """``GET /metrics``: Prometheus text, this host's and the pool's."""
+
+    def __init__(self, link: BrokerLink, settings: FrontendSettings):
+        self.link = link
+        self.settings = settings
+
+    def on_get(self, req, resp) -> None:
+        snapshot = self.link.status(self.settings.health_timeout_s)
+        resp.data = metrics.render(snapshot)
+        resp.content_type = metrics.CONTENT_TYPE
+
+
 class SlotsResource:
     """``GET /slots``: every slot in the pool, from the broker's ledger."""
 
@@ -190,7 +209,30 @@ class SlotsResource:
             resp.media = {"error": {"code": 503, "message": "broker unreachable",
                                     "type": "unavailable_error"}}
             return
-        resp.media = status["slots"]
+        resp.media = [public_slot(slot) for slot in status["slots"]]
+
+
+def public_slot(slot: dict) -> dict:
+    """One ``/slots`` entry, llama.cpp-style names. Never any prompt text: the
+    broker does not have it."""
+    progress = slot.get("progress") or {}
+    return {
+        "id": slot["id"],
+        "state": slot["state"],
+        "is_processing": slot["state"] in ("busy", "cancelling"),
+        "id_task": slot["id_task"],
+        "host": slot["host"],
+        "pid": slot["pid"],
+        "model": slot["model"],
+        "engine": slot["engine"],
+        "n_ctx": slot["n_ctx"],
+        "n_prompt_tokens": progress.get("n_prompt", 0),
+        "n_decoded": progress.get("n_generated", 0),
+        "tokens_per_second": progress.get("tokens_per_s", 0.0),
+        "kv_cache_tokens": progress.get("n_ctx_used", 0),
+        "lease_taken_at": slot.get("lease_taken_at"),
+        "jobs_served": slot["jobs_served"],
+    }
 
 
 class LlamapoolApp(falcon.App):
@@ -207,7 +249,11 @@ def create_app(settings: FrontendSettings, link: BrokerLink | None = None) -> Ll
         heartbeat_liveness=settings.heartbeat_liveness,
     )
     app = LlamapoolApp(
-        middleware=[RequestIdMiddleware(), ApiKeyMiddleware(settings.api_keys)],
+        middleware=[
+            RequestIdMiddleware(),
+            RequestLogMiddleware(),
+            ApiKeyMiddleware(settings.api_keys),
+        ],
         cors_enable=False,
     )
     app.req_options.strip_url_path_trailing_slash = True
@@ -227,5 +273,6 @@ def create_app(settings: FrontendSettings, link: BrokerLink | None = None) -> Ll
         app.add_route(f"{prefix}/models", models)
         app.add_route(f"{prefix}/health", health)
     app.add_route("/slots", SlotsResource(link, settings))
+    app.add_route("/metrics", MetricsResource(link, settings))
     app.link = link
     return app

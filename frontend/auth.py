@@ -57,6 +57,5 @@ class ApiKeyMiddleware:
             return
         candidate = presented_key(req.get_header)
         if candidate is None or not key_is_valid(candidate, self.keys):
-            req.context.rejected_reason = "auth"
             raise Unauthorized()
         req.context.key_suffix = key_suffix(candidate)

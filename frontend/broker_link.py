@@ -22,6 +22,7 @@ import uuid
 
 import zmq
 
+from frontend import metrics
 from protocol import messages
 
 log = logging.getLogger("llamapool.frontend")
@@ -209,6 +210,7 @@ class BrokerLink:
                 msg = messages.decode(frames)
             except messages.MalformedMessage as exc:
                 self.malformed_dropped += 1
+                metrics.FRONTEND_MALFORMED.inc()
                 log.warning("dropped malformed message from broker: %s", exc)
                 continue
             if isinstance(msg, _JOB_MESSAGES):

@@ -11,6 +11,8 @@ import logging
 
 import falcon
 
+from frontend import metrics
+
 log = logging.getLogger("llamapool.frontend")
 
 
@@ -20,6 +22,8 @@ class ApiError(Exception):
     status = 500
     type = "server_error"
     code: str | int | None = None
+    #: Label for ``llamapool_requests_rejected_total``; None: not a rejection.
+    reject_reason: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None,
                  code: str | int | None = None) -> None:
@@ -43,17 +47,20 @@ class ApiError(Exception):
 
 class BadRequest(ApiError):
     status = 400
+    reject_reason = "bad_request"
     type = "invalid_request_error"
 
 
 class PayloadTooLarge(ApiError):
     status = 413
+    reject_reason = "too_large"
     type = "invalid_request_error"
     code = "request_too_large"
 
 
 class Unauthorized(ApiError):
     status = 401
+    reject_reason = "auth"
     type = "authentication_error"
 
     def __init__(self) -> None:
@@ -62,6 +69,7 @@ class Unauthorized(ApiError):
 
 class NoSlotAvailable(ApiError):
     status = 503
+    reject_reason = "no_slot"
     type = "unavailable_error"
     code = 503
 
@@ -107,7 +115,8 @@ def install_error_handlers(app: falcon.App) -> None:
     """The single place where exceptions become HTTP responses."""
 
     def on_api_error(req, resp, ex: ApiError, params) -> None:
-        req.context.error_code = ex.code
+        if ex.reject_reason is not None:
+            metrics.REQUESTS_REJECTED.labels(ex.reject_reason).inc()
         _write(resp, ex)
 
     def on_falcon_error(req, resp, ex: falcon.HTTPError, params) -> None:

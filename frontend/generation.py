@@ -35,13 +35,14 @@ def start_job(
     *,
     submit_timeout_s: float,
     frame_timeout_s: float,
+    outcome: JobOutcome | None = None,
     on_release=None,
 ) -> StartedJob:
     job_id = uuid.uuid4().hex
-    outcome = JobOutcome()
-    stream = link.submit(job_id, generation)
+    outcome = outcome or JobOutcome()
     lease = SlotLease(job_id, link.send, link.forget, on_release)
     try:
+        stream = link.submit(job_id, generation)
         answer = stream.get(submit_timeout_s)
         if answer is None:
             raise Unavailable("the broker did not answer", code="broker_unreachable")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 #: Exit code when the gunicorn config cannot be found.
@@ -50,6 +51,13 @@ def gunicorn_argv() -> list[str]:
 
 
 def exec_gunicorn(env: dict[str, str]) -> None:
-    """Replace this process with gunicorn, so signals reach its arbiter directly."""
+    """Replace this process with gunicorn, so signals reach its arbiter directly.
+
+    Prometheus multiprocess mode needs ``PROMETHEUS_MULTIPROC_DIR`` before
+    Python starts in the workers; a private directory is made unless one is
+    given (gunicorn's ``on_starting`` hook wipes it either way).
+    """
+    if not env.get("PROMETHEUS_MULTIPROC_DIR"):
+        env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="llamapool-prom-")
     argv = gunicorn_argv()
     os.execve(argv[0], argv, env)

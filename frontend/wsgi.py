@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 from frontend.app import create_app
 from frontend.settings import FrontendSettings
+from workers.log_format import configure_logging
 
+configure_logging(os.environ.get("LLAMAPOOL_LOG_LEVEL", "info"),
+                  os.environ.get("LLAMAPOOL_LOG_FORMAT", "text"))
 app = create_app(FrontendSettings.from_env())

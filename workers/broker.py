@@ -28,6 +28,9 @@ import zmq
 
 from protocol import messages, timing
 from workers import ledger as ledger_mod
+from workers import sd_notify
+from workers.broker_metrics import LatestSnapshotCollector
+from workers.broker_security import BrokerSecurity
 from workers.pool_stats import PoolStats
 from workers.signals import StopFlag
 
@@ -44,13 +47,19 @@ class BrokerSettings:
     workers_endpoint: str
     heartbeat_interval_s: float = timing.HEARTBEAT_INTERVAL_S
     heartbeat_liveness: int = timing.HEARTBEAT_LIVENESS
+    #: CURVE (see ``workers.broker_security``); empty paths mean plaintext.
+    curve_secret_key: str = ""
+    curve_authorized_dir: str = ""
+    insecure_plaintext: bool = False
 
 
 class Broker:
     """Routes jobs between frontends and workers. Single-threaded."""
 
-    def __init__(self, settings: BrokerSettings, ctx: zmq.Context | None = None):
+    def __init__(self, settings: BrokerSettings, ctx: zmq.Context | None = None,
+                 metrics: LatestSnapshotCollector | None = None):
         self.settings = settings
+        self.metrics = metrics
         self.ctx = ctx or zmq.Context.instance()
         self.ledger = ledger_mod.Ledger(
             settings.heartbeat_interval_s * settings.heartbeat_liveness
@@ -62,6 +71,15 @@ class Broker:
         self._deaths_by_host: collections.Counter[str] = collections.Counter()
         self._frontend_sock: zmq.Socket | None = None
         self._worker_sock: zmq.Socket | None = None
+        self._sd = sd_notify.Notifier()
+        self.security = BrokerSecurity(
+            settings.curve_secret_key, settings.curve_authorized_dir,
+            settings.insecure_plaintext,
+            on_refused=lambda: self.counters.update(("curve_refused",)),
+        )
+        if self.security.enabled:
+            # Created here so the ZAP thread only ever increments it.
+            self.counters["curve_refused"] = 0
 
     # --- sockets ---------------------------------------------------------------
 
@@ -71,10 +89,15 @@ class Broker:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
+        self.security.configure(sock)
         sock.bind(endpoint)
         return sock
 
     def bind(self) -> None:
+        self.security.check_endpoints(
+            (self.settings.frontends_endpoint, self.settings.workers_endpoint)
+        )
+        self.security.start(self.ctx)
         self._frontend_sock = self._router(self.settings.frontends_endpoint)
         self._worker_sock = self._router(self.settings.workers_endpoint)
         log.info(
@@ -87,6 +110,7 @@ class Broker:
         for sock in (self._frontend_sock, self._worker_sock):
             if sock is not None:
                 sock.close(linger=0)
+        self.security.stop()
 
     def _send(self, sock: zmq.Socket, identity: bytes, frames: list[bytes]) -> bool:
         """Send to one peer; False if the peer is gone (never raises)."""
@@ -121,6 +145,7 @@ class Broker:
         """Serve until ``stop`` is set."""
         if self._frontend_sock is None:
             self.bind()
+        self._sd.ready("broker listening")
         poller = zmq.Poller()
         poller.register(self._frontend_sock, zmq.POLLIN)
         poller.register(self._worker_sock, zmq.POLLIN)
@@ -137,8 +162,10 @@ class Broker:
                 now = time.monotonic()
                 if now >= next_beat:
                     self._heartbeat_and_expire(now)
+                    self._sd.watchdog(now)
                     next_beat = now + interval_s
         finally:
+            self._sd.stopping()
             self.close()
             log.info("broker stopped")
 
@@ -331,6 +358,8 @@ class Broker:
             for job in self.ledger.remove_frontend(ident):
                 if self.ledger.request_cancel(job.job_id, now) is not None:
                     self._to_worker(job.worker, messages.Cancel(job.job_id))
+        if self.metrics is not None:
+            self.metrics.publish(self.snapshot(now))
         beat = messages.Heartbeat().to_wire()
         for ident in list(self.ledger.workers):
             if not self._to_worker(ident, beat):

@@ -21,12 +21,10 @@ EXIT_MODEL_LOAD = 3
 EXIT_BIND = 5
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-        stream=sys.stderr,
-    )
+def _setup_logging(level: str, fmt: str) -> None:
+    from workers.log_format import configure_logging
+
+    configure_logging(level, fmt)
 
 
 def _add_liveness_flags(p: argparse.ArgumentParser) -> None:
@@ -118,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llamapool", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("LLAMAPOOL_LOG_LEVEL",
                                                               "info"))
+    parser.add_argument("--log-format", choices=["text", "json"],
+                        default=os.environ.get("LLAMAPOOL_LOG_FORMAT", "text"),
+                        help="json: one object per line (request logs included)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="broker + N workers + gunicorn on this machine")
@@ -132,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     broker = sub.add_parser("broker", help="the broker alone")
     broker.add_argument("--frontends", required=True, help="endpoint to bind for frontends")
     broker.add_argument("--workers", required=True, help="endpoint to bind for workers")
+    broker.add_argument("--metrics-port", type=int, default=None,
+                        help="serve the broker's own /metrics on this port")
     _add_liveness_flags(broker)
 
     worker = sub.add_parser("worker", help="one model worker")
@@ -145,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="output rate of the synthetic engine")
     worker.add_argument("--stall-timeout-s", type=float, default=timing.STALL_TIMEOUT_S)
     worker.add_argument("--shutdown-grace-s", type=float, default=30.0)
+    worker.add_argument("--metrics-port", type=int, default=None,
+                        help="serve the worker's own /metrics on this port")
     _add_model_flags(worker)
     _add_liveness_flags(worker)
 
@@ -173,12 +178,17 @@ def run_broker(args: argparse.Namespace) -> int:
     from workers.signals import StopFlag
 
     stop = StopFlag().install()
+    metrics = None
+    if args.metrics_port:
+        from workers.broker_metrics import serve_broker_metrics
+
+        metrics = serve_broker_metrics(args.metrics_port)
     broker = Broker(BrokerSettings(
         frontends_endpoint=args.frontends,
         workers_endpoint=args.workers,
         heartbeat_interval_s=args.heartbeat_interval_s,
         heartbeat_liveness=args.heartbeat_liveness,
-    ))
+    ), metrics=metrics)
     try:
         broker.bind()
     except zmq.ZMQError as exc:
@@ -228,6 +238,10 @@ def run_worker(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout_s,
         shutdown_grace_s=args.shutdown_grace_s,
     ), load_engine, label)
+    if args.metrics_port:
+        from workers.worker_metrics import serve_worker_metrics
+
+        serve_worker_metrics(worker, args.metrics_port)
     try:
         worker.run(stop)
     except EngineLoadError as exc:
@@ -260,7 +274,9 @@ def run_frontend(args: argparse.Namespace) -> int:
          "LLAMAPOOL_HEARTBEAT_LIVENESS": str(args.heartbeat_liveness),
          "LLAMAPOOL_TOKENIZER_MODEL": args.model or "",
          "LLAMAPOOL_CHAT_FORMAT": args.chat_format or "",
-         "LLAMAPOOL_CTX": str(args.ctx)},
+         "LLAMAPOOL_CTX": str(args.ctx),
+         "LLAMAPOOL_LOG_LEVEL": args.log_level,
+         "LLAMAPOOL_LOG_FORMAT": args.log_format},
     ))
     return EXIT_OK  # not reached
 
@@ -289,7 +305,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _setup_logging(args.log_level)
+    _setup_logging(args.log_level, args.log_format)
     if args.command == "up":
         from workers.supervisor import run_up
 

@@ -145,6 +145,8 @@ class ModelWorker:
         self._io_done = threading.Event()
         self.malformed_dropped = 0
         self.jobs_done = 0
+        self.tokens_generated = 0
+        self.busy = False
 
     # --- main thread -------------------------------------------------------------
 
@@ -189,12 +191,14 @@ class ModelWorker:
             log.info("worker %s stopped after %d jobs", self.name, self.jobs_done)
 
     def _run_job(self, job: ActiveJob, outbox: zmq.Socket) -> None:
+        self.busy = True
         try:
             if job.ended_by_shutdown:
                 raise RequestRejected(
                     "worker_shutdown", "the worker is shutting down", 503
                 )
             result = self.engine.run(job.request, job)
+            self.tokens_generated += result.completion_tokens
             if job.ended_by_shutdown:
                 msg = messages.Error(
                     job.job_id, "worker_shutdown",
@@ -216,6 +220,7 @@ class ModelWorker:
             log.exception("job %s failed in the engine", job.job_id)
             msg = messages.Error(job.job_id, "engine_error", "generation failed", 500)
         self.jobs_done += 1
+        self.busy = False
         outbox.send_multipart(msg.to_wire())
 
     # --- I/O thread --------------------------------------------------------------

@@ -1,0 +1,115 @@
+"""The broker's ledger and pool totals as Prometheus metric families.
+
+Rendered from a broker snapshot (``Broker.snapshot``), either by a frontend's
+``/metrics`` (snapshot fetched over ZeroMQ) or by the broker's own
+``--metrics-port`` endpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+
+class PoolCollector:
+    """Renders one broker snapshot as metric families (per scrape)."""
+
+    def __init__(self, snapshot: dict) -> None:
+        self.snapshot = snapshot
+
+    def collect(self):
+        snap = self.snapshot
+        stats = snap["stats"]
+        counters = snap["counters"]
+
+        def counter(name, doc, value):
+            return CounterMetricFamily(name, doc, value=value)
+
+        def gauge(name, doc, value):
+            return GaugeMetricFamily(name, doc, value=value)
+
+        yield counter("llama_prompt_tokens_total", "Prompt tokens processed",
+                      stats["prompt_tokens_total"])
+        yield counter("llama_tokens_generated_total", "Tokens generated",
+                      stats["tokens_generated_total"])
+        yield counter("llama_request_success_total", "Jobs that ended with a finish",
+                      stats["request_success_total"])
+        yield counter("llama_request_fail_total", "Jobs that ended with an error",
+                      stats["request_fail_total"])
+        yield counter("llama_prompt_seconds_total", "Prompt processing time",
+                      stats["prompt_seconds_total"])
+        yield counter("llama_tokens_seconds_total", "Token generation time",
+                      stats["tokens_seconds_total"])
+        yield gauge("llama_kv_cache_usage_level",
+                    "KV cache fill (0-1), mean over busy slots",
+                    snap["kv_cache_usage_level"])
+        yield gauge("llama_slots_processing", "Slots running a job",
+                    snap["slots_busy"])
+        yield gauge("llamapool_slots_registered", "Slots in the pool (loaded)",
+                    snap["slots_total"])
+        yield gauge("llamapool_slots_busy", "Slots running a job", snap["slots_busy"])
+        yield gauge("llamapool_slots_alive", "Slots heard from within liveness",
+                    snap["slots_total"] + snap["slots_loading"])
+        yield gauge("llamapool_slots_loading", "Workers still loading their model",
+                    snap["slots_loading"])
+        yield counter("llamapool_requests_cancelled_total",
+                      "Jobs that ended by acknowledged cancel",
+                      stats["request_cancelled_total"])
+        yield counter("llamapool_broker_no_slot_total",
+                      "SUBMITs the broker refused for lack of a slot",
+                      counters.get("no_slot", 0))
+        yield counter("llamapool_worker_deaths_total", "Workers the broker lost",
+                      counters.get("worker_deaths", 0))
+        yield counter("llamapool_worker_restarts_total",
+                      "Workers that registered on a host after one died there",
+                      counters.get("worker_restarts", 0))
+        yield counter("llamapool_broker_malformed_frames_dropped_total",
+                      "Malformed ZeroMQ messages the broker dropped",
+                      counters.get("malformed_dropped", 0))
+        release = stats["cancel_release_s"]
+        buckets = [(str(b), c) for b, c in zip(release["buckets"],
+                                               release["cumulative"])]
+        buckets.append(("+Inf", release["cumulative"][-1]))
+        yield HistogramMetricFamily(
+            "llamapool_disconnect_release_seconds",
+            "From cancel (client gone) to the slot being free in the ledger",
+            buckets=buckets, sum_value=release["sum"],
+        )
+
+
+class LatestSnapshotCollector:
+    """Serves the newest snapshot the broker loop published.
+
+    The HTTP server runs in its own thread; reading the ledger from there
+    would race the broker loop, so the loop publishes a fresh snapshot each
+    heartbeat and this only swaps a reference.
+    """
+
+    def __init__(self) -> None:
+        self._snapshot: dict | None = None
+        self._lock = threading.Lock()
+
+    def publish(self, snapshot: dict) -> None:
+        with self._lock:
+            self._snapshot = snapshot
+
+    def collect(self):
+        with self._lock:
+            snapshot = self._snapshot
+        if snapshot is not None:
+            yield from PoolCollector(snapshot).collect()
+
+
+def serve_broker_metrics(port: int, host: str = "0.0.0.0") -> LatestSnapshotCollector:
+    """Start the broker's own ``/metrics`` endpoint on ``port``."""
+    collector = LatestSnapshotCollector()
+    registry = CollectorRegistry()
+    registry.register(collector)
+    start_http_server(port, addr=host, registry=registry)
+    return collector

@@ -1,0 +1,36 @@
+"""A model worker's own ``/metrics`` (``llamapool worker --metrics-port``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class WorkerCollector:
+    """Reads plain counters the worker keeps; ints are safe to read across
+    threads in CPython, so no lock is needed for a scrape."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+
+    def collect(self):
+        w = self.worker
+        yield CounterMetricFamily("llamapool_worker_jobs_total",
+                                  "Jobs this worker ended", value=w.jobs_done)
+        yield CounterMetricFamily("llamapool_worker_tokens_generated_total",
+                                  "Tokens this worker generated",
+                                  value=w.tokens_generated)
+        yield CounterMetricFamily("llamapool_worker_malformed_frames_dropped_total",
+                                  "Malformed messages from the broker, dropped",
+                                  value=w.malformed_dropped)
+        yield GaugeMetricFamily("llamapool_worker_loaded",
+                                "1 once the model has loaded",
+                                value=0 if w.engine is None else 1)
+        yield GaugeMetricFamily("llamapool_worker_busy", "1 while a job runs",
+                                value=1 if w.busy else 0)
+
+
+def serve_worker_metrics(worker, port: int, host: str = "0.0.0.0") -> None:
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(worker))
+    start_http_server(port, addr=host, registry=registry)
