@@ -30,6 +30,8 @@ import zmq
 from collections.abc import Callable
 
 from protocol import messages, timing
+from protocol.curve import ClientKeys
+from workers import sd_notify
 from workers.engine import Engine, RequestRejected
 from workers.signals import StopFlag
 
@@ -46,6 +48,8 @@ class WorkerSettings:
     #: After SIGTERM, how long the running job may continue before it is ended.
     shutdown_grace_s: float = 30.0
     worker_name: str = ""
+    #: CURVE keys for the link to the broker (``protocol.curve``); None: plaintext.
+    curve: ClientKeys | None = None
 
 
 class EngineLoadError(RuntimeError):
@@ -145,6 +149,7 @@ class ModelWorker:
         self._io_done = threading.Event()
         self.malformed_dropped = 0
         self.jobs_done = 0
+        self._sd = sd_notify.Notifier()
         self.tokens_generated = 0
         self.busy = False
 
@@ -229,6 +234,8 @@ class ModelWorker:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 500)
         sock.setsockopt(zmq.SNDHWM, 0)
+        if self.settings.curve is not None:
+            self.settings.curve.apply(sock)
         sock.connect(self.settings.broker_endpoint)
         return sock
 
@@ -264,6 +271,7 @@ class ModelWorker:
                     log.info("worker %s sent READY", self.name)
                 if stop.is_set() and grace_deadline is None:
                     grace_deadline = now + s.shutdown_grace_s
+                    self._sd.stopping("draining")
                     # Stop taking work before anything else.
                     dealer.send_multipart(messages.Disconnect("stopping").to_wire())
                 if grace_deadline is not None:
@@ -278,6 +286,9 @@ class ModelWorker:
                 if dealer in ready:
                     last_heard = time.monotonic()
                     job, registered = self._drain_broker(dealer, outbox, job, registered)
+                    if registered:
+                        # READY went out and the broker answered: we serve.
+                        self._sd.ready(f"registered with {s.broker_endpoint}")
                 now = time.monotonic()
                 if now - last_heard > s.heartbeat_interval_s * s.heartbeat_liveness:
                     log.warning("broker silent for %.1fs; reconnecting", now - last_heard)
@@ -299,6 +310,7 @@ class ModelWorker:
                         beat = messages.Heartbeat(progress)
                     dealer.send_multipart(beat.to_wire())
                     next_beat = now + s.heartbeat_interval_s
+                    self._sd.watchdog(now)
         finally:
             dealer.close(linger=500)
             inbox.close(linger=0)

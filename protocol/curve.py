@@ -1,0 +1,140 @@
+"""ZeroMQ CURVE: key files and socket configuration for encrypted links.
+
+Between hosts every link is CURVE-encrypted and authenticated. The broker is
+the CURVE *server* (it holds its secret key; clients must know its public
+key); workers and frontends are *clients* with their own key pairs, whose
+public keys the broker lists in an authorized directory (see
+``workers.broker_security``).
+
+Key files are ZeroMQ certificates as written by ``zmq.auth.create_certificates``
+(``llamapool keygen``): ``NAME.key`` holds the public key, ``NAME.key_secret``
+both keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.auth
+
+#: The ZAP domain the broker's sockets use; the authenticator answers for it.
+ZAP_DOMAIN = "llamapool"
+
+
+class CurveKeyError(ValueError):
+    """A key file is missing, unreadable or not a CURVE certificate."""
+
+
+def available() -> bool:
+    """Whether this libzmq was built with CURVE (libsodium)."""
+    return bool(zmq.has("curve"))
+
+
+def load_public_key(path: str | os.PathLike) -> bytes:
+    """The public key (z85) from a ``.key`` or ``.key_secret`` file."""
+    try:
+        public, _ = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise CurveKeyError(f"cannot read CURVE key {path}: {exc}") from None
+    if not public:
+        raise CurveKeyError(f"no public key in {path}")
+    return public
+
+
+def load_key_pair(path: str | os.PathLike) -> tuple[bytes, bytes]:
+    """(public, secret) from a ``.key_secret`` file."""
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise CurveKeyError(f"cannot read CURVE key {path}: {exc}") from None
+    if not public or not secret:
+        raise CurveKeyError(f"{path} holds no secret key (use the .key_secret file)")
+    return public, secret
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerKeys:
+    """The broker's key pair."""
+
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def from_file(cls, secret_file: str | os.PathLike) -> ServerKeys:
+        return cls(*load_key_pair(secret_file))
+
+    def apply(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` a CURVE server (call before ``bind``)."""
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+
+    def __repr__(self) -> str:  # never print a secret key
+        return f"ServerKeys(public={self.public.decode()!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientKeys:
+    """A worker's or frontend's key pair and the broker's public key."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def from_files(
+        cls, server_key_file: str | os.PathLike, secret_file: str | os.PathLike
+    ) -> ClientKeys:
+        return cls(load_public_key(server_key_file), *load_key_pair(secret_file))
+
+    def apply(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` a CURVE client of the broker (call before ``connect``)."""
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self.server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+
+    def __repr__(self) -> str:
+        return (f"ClientKeys(server_public={self.server_public.decode()!r}, "
+                f"public={self.public.decode()!r})")
+
+
+def client_keys(server_key_file: str, secret_file: str) -> ClientKeys | None:
+    """Keys from the two file settings; None when both are empty (plaintext).
+
+    Raises:
+        CurveKeyError: only one of the two is set, or a file is bad.
+    """
+    if not server_key_file and not secret_file:
+        return None
+    if not server_key_file or not secret_file:
+        raise CurveKeyError(
+            "CURVE needs both the broker's public key and this peer's secret key"
+        )
+    return ClientKeys.from_files(server_key_file, secret_file)
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """True if ``endpoint`` can only be reached from this host.
+
+    ``ipc://`` and ``inproc://`` are local; ``tcp://`` is local only on a
+    loopback address or ``localhost``. Wildcards (``*``, ``0.0.0.0``) and
+    interface names are not.
+    """
+    scheme, _, rest = endpoint.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp":
+        return False
+    # tcp://[source;]host:port; a source address only picks the local side.
+    host = urlsplit("//" + rest.rsplit(";", 1)[-1]).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
