@@ -57,3 +57,10 @@ def child_exit(server, worker):
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(worker.pid)
+
+
+def post_worker_init(worker):
+    # Connect to the broker and load the tokenizer now, not on the first request.
+    warm_up = getattr(worker.wsgi, "warm_up", None)
+    if warm_up is not None:
+        warm_up()

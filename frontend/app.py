@@ -239,6 +239,14 @@ class LlamapoolApp(falcon.App):
     """A Falcon app that also exposes its broker link (for hooks and tests)."""
 
     link: BrokerLink
+    gate: PromptGate | None
+
+    def warm_up(self) -> None:
+        """Connect to the broker and load the tokenizer before the first
+        request (gunicorn's ``post_worker_init``), so it does not pay for it."""
+        self.link.start()
+        if self.gate is not None:
+            self.gate.load()
 
 
 def create_app(settings: FrontendSettings, link: BrokerLink | None = None) -> LlamapoolApp:
@@ -275,4 +283,5 @@ def create_app(settings: FrontendSettings, link: BrokerLink | None = None) -> Ll
     app.add_route("/slots", SlotsResource(link, settings))
     app.add_route("/metrics", MetricsResource(link, settings))
     app.link = link
+    app.gate = gate
     return app

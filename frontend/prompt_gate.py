@@ -23,6 +23,9 @@ class PromptGate:
         self._builder = None
         self._lock = threading.Lock()
 
+    def load(self) -> None:
+        self._prompts()
+
     def _prompts(self):
         # Loaded on first use, after gunicorn's fork, once per process.
         if self._builder is None:

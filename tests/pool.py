@@ -95,6 +95,7 @@ class Proc:
 
 
 def cli(*args: str) -> list[str]:
+    """argv for the real CLI; global flags (``--log-format``) go first."""
     return [sys.executable, "-m", "workers.cli", "--log-level", "info", *args]
 
 
@@ -129,7 +130,8 @@ class Pool:
 
     def __init__(self, model_path: Path, run_dir: Path, *, workers: int = 2,
                  api_keys: tuple[str, ...] = (), frontend_env: dict | None = None,
-                 worker_args: tuple[str, ...] = ()) -> None:
+                 worker_args: tuple[str, ...] = (), wait_ready: bool = True,
+                 global_args: tuple[str, ...] = ()) -> None:
         self.model_path = model_path
         self.run_dir = run_dir
         self.frontends_ep = f"ipc://{run_dir}/frontends"
@@ -138,6 +140,7 @@ class Pool:
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_keys = api_keys
         self.worker_args = worker_args
+        self.global_args = global_args
         self.broker = self._start_broker()
         self.workers: list[Proc] = []
         self._worker_serial = 0
@@ -150,14 +153,15 @@ class Pool:
         key_args = [a for k in api_keys for a in ("--api-key", k)]
         self.frontend = Proc(
             "frontend",
-            cli("frontend", "--broker", self.frontends_ep,
+            cli(*global_args, "frontend", "--broker", self.frontends_ep,
                 "--bind", f"127.0.0.1:{self.port}", "--model", str(model_path),
                 "--ctx", "2048", *key_args, *TEST_HEARTBEAT),
             run_dir, env=env,
         )
         self.probe = BrokerProbe(self.frontends_ep)
-        self.wait_free(workers, timeout_s=60)
-        wait_until(self._http_up, 60, "gunicorn to answer /health")
+        if wait_ready:
+            self.wait_free(workers, timeout_s=60)
+            wait_until(self.http_up, 60, "gunicorn to answer /health")
 
     def _start_broker(self) -> Proc:
         return Proc("broker", cli("broker", "--frontends", self.frontends_ep,
@@ -183,7 +187,7 @@ class Pool:
             self.broker.stop()
         self.broker = self._start_broker()
 
-    def _http_up(self) -> bool:
+    def http_up(self) -> bool:
         import urllib.request
 
         try:

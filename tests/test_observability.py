@@ -1,0 +1,262 @@
+"""What operators see: /metrics, /slots, /health and logs, through real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+
+import httpx
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.pool import Pool, wait_until
+from tests.test_slot_paths import LONG, RawStream, wait_paused
+
+pytestmark = pytest.mark.stack
+
+KEY = "sk-observe-9Qx2-KEYSECRET"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SECRET_PROMPT = "purple-elephant-prompt-31337"
+
+
+@pytest.fixture(scope="module")
+def opool(tiny_model, tmp_path_factory):
+    p = Pool(tiny_model, tmp_path_factory.mktemp("obs"), workers=2, api_keys=(KEY,),
+             global_args=("--log-format", "json"),
+             frontend_env={"LLAMAPOOL_MAX_BODY_BYTES": "4096"})
+    yield p
+    p.stop()
+
+
+def scrape(pool) -> dict:
+    r = httpx.get(pool.url + "/metrics", headers=AUTH)
+    assert r.status_code == 200
+    samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples, name, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def delta(before, after, name, **labels) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def test_metrics_needs_the_key(opool):
+    assert httpx.get(opool.url + "/metrics").status_code == 401
+
+
+def test_counters_move_by_exact_amounts(opool):
+    before = scrape(opool)
+    prompt_n = completion_n = 0
+    prompt_s = tokens_s = 0.0
+    for i in range(3):
+        r = httpx.post(opool.url + "/v1/completions", headers=AUTH, json={
+            "prompt": f"Hello world {i}", "max_tokens": 7, "ignore_eos": True})
+        timings = r.json()["timings"]
+        prompt_n += timings["prompt_n"]
+        completion_n += timings["predicted_n"]
+        prompt_s += timings["prompt_ms"] / 1000
+        tokens_s += timings["predicted_ms"] / 1000
+    with httpx.stream("POST", opool.url + "/v1/chat/completions", headers=AUTH, json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    usage = json.loads(events[-2])["usage"]
+    timings = json.loads(events[-3])["timings"]
+    prompt_n += timings["prompt_n"]
+    completion_n += usage["completion_tokens"]
+    prompt_s += timings["prompt_ms"] / 1000
+    tokens_s += timings["predicted_ms"] / 1000
+    # Rejections, one of each reason.
+    assert httpx.post(opool.url + "/v1/completions", json={}).status_code == 401
+    assert httpx.post(opool.url + "/v1/completions", headers=AUTH,
+                      json={"prompt": 1}).status_code == 400
+    assert httpx.post(opool.url + "/v1/completions", headers=AUTH,
+                      json={"prompt": "x" * 5000}).status_code == 413
+    streams = [RawStream(opool.port, LONG, headers=AUTH) for _ in range(2)]
+    for s in streams:
+        wait_paused(opool, int(s.header("X-Slot-Id")))
+    assert httpx.post(opool.url + "/v1/completions", headers=AUTH,
+                      json={"prompt": "Hi"}).status_code == 503
+    for s in streams:
+        s.close()
+    opool.assert_whole()
+
+    after = scrape(opool)
+    assert delta(before, after, "llama_request_success_total") == 4
+    assert delta(before, after, "llama_tokens_generated_total") >= completion_n
+    assert delta(before, after, "llamapool_requests_cancelled_total") == 2
+    # The two cancelled streams generated tokens too; everything else is exact.
+    assert delta(before, after, "llama_prompt_tokens_total") >= prompt_n
+    assert delta(before, after, "llama_prompt_seconds_total") >= prompt_s * 0.999
+    assert delta(before, after, "llama_tokens_seconds_total") >= tokens_s * 0.999
+    assert delta(before, after, "llama_request_fail_total") == 0
+    for reason in ("auth", "bad_request", "too_large", "no_slot"):
+        assert delta(before, after, "llamapool_requests_rejected_total",
+                     reason=reason) == 1, reason
+    assert delta(before, after, "llamapool_broker_no_slot_total") == 1
+    assert delta(before, after, "llamapool_disconnect_release_seconds_count") == 2
+    assert delta(before, after, "llamapool_time_to_first_token_seconds_count") == 6
+    assert delta(before, after, "llamapool_slot_hold_seconds_count") == 7
+    assert delta(before, after, "llamapool_inter_token_latency_seconds_count") > 20
+    # Every request that reached the broker, the refused one included.
+    assert delta(before, after, "llamapool_request_duration_seconds_count") == 7
+    assert value(after, "llamapool_slots_registered") == 2
+    assert value(after, "llama_slots_processing") == 0
+
+
+def test_exact_token_counts_without_cancels(opool):
+    before = scrape(opool)
+    for n in (3, 5):
+        httpx.post(opool.url + "/v1/completions", headers=AUTH,
+                   json={"prompt": "Hi there", "max_tokens": n, "ignore_eos": True})
+    after = scrape(opool)
+    assert delta(before, after, "llama_tokens_generated_total") == 8
+    assert delta(before, after, "llama_request_success_total") == 2
+
+
+def test_worker_death_restart_and_fail_counters(opool):
+    before = scrape(opool)
+    stream = RawStream(opool.port, LONG, headers=AUTH)
+    slot_id = int(stream.header("X-Slot-Id"))
+    wait_paused(opool, slot_id)
+    pid = next(s["pid"] for s in opool.status()["slots"] if s["id"] == slot_id)
+    os.kill(pid, signal.SIGKILL)
+    victim = next(w for w in opool.workers if w.pid == pid)
+    victim.popen.wait(timeout=10)
+    stream.read_to_end()
+    stream.close()
+    opool.workers.remove(victim)
+    opool.start_worker()
+    opool.wait_free(2, timeout_s=30)
+    after = scrape(opool)
+    assert delta(before, after, "llama_request_fail_total") == 1
+    assert delta(before, after, "llamapool_worker_deaths_total") == 1
+    assert delta(before, after, "llamapool_worker_restarts_total") == 1
+
+
+def test_malformed_frames_are_counted(opool):
+    before = scrape(opool)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(opool.frontends_ep)
+    sock.send_multipart([b"junk", b"\x01", b"\xc1"])
+    sock.send(b"single frame of garbage")
+    wait_until(lambda: delta(before, scrape(opool),
+                             "llamapool_broker_malformed_frames_dropped_total") == 2,
+               10, "the broker to count 2 malformed messages")
+    sock.close(0)
+    ctx.term()
+
+
+def test_promtool_accepts_real_output(opool):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("LLAMAPOOL_REQUIRE_PROMTOOL"):
+            pytest.fail("promtool is required here (Debian package prometheus)")
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    httpx.post(opool.url + "/v1/completions", headers=AUTH,
+               json={"prompt": "Hi", "max_tokens": 2})
+    text = httpx.get(opool.url + "/metrics", headers=AUTH).text
+    result = subprocess.run([promtool, "check", "metrics"], input=text.encode(),
+                            capture_output=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_slots_show_busy_while_a_stream_is_held(opool):
+    stream = RawStream(opool.port, LONG, headers=AUTH)
+    slot_id = int(stream.header("X-Slot-Id"))
+    wait_paused(opool, slot_id)
+    slots = httpx.get(opool.url + "/slots", headers=AUTH).json()
+    busy = next(s for s in slots if s["id"] == slot_id)
+    assert busy["state"] == "busy" and busy["is_processing"]
+    assert busy["id_task"] and busy["n_decoded"] > 0 and busy["kv_cache_tokens"] > 0
+    assert busy["lease_taken_at"] is not None and busy["n_ctx"] == 2048
+    assert busy["model"] == "tiny.gguf" and busy["pid"] > 0
+    idle = [s for s in slots if s["id"] != slot_id]
+    assert [s["state"] for s in idle] == ["idle"]
+    assert SECRET_PROMPT not in json.dumps(slots)
+    stream.close()
+    opool.assert_whole()
+    slots = httpx.get(opool.url + "/slots", headers=AUTH).json()
+    assert {s["state"] for s in slots} == {"idle"}
+
+
+def test_request_id_round_trip(opool):
+    r = httpx.get(opool.url + "/health", headers={"X-Request-Id": "abc-123.x"})
+    assert r.headers["X-Request-Id"] == "abc-123.x"
+    r = httpx.get(opool.url + "/health", headers={"X-Request-Id": "bad id\twith junk"})
+    assert r.headers["X-Request-Id"] != "bad id\twith junk"
+    assert len(r.headers["X-Request-Id"]) == 32
+
+
+def test_logs_are_json_lines_without_secrets_or_prompts(opool):
+    httpx.post(opool.url + "/v1/completions", headers={**AUTH, "X-Request-Id": "logtest-1"},
+               json={"prompt": SECRET_PROMPT, "max_tokens": 3})
+    httpx.post(opool.url + "/v1/completions",
+               headers={"X-Api-Key": "wrong-" + KEY, "X-Request-Id": "logtest-2"},
+               json={"prompt": SECRET_PROMPT})
+
+    def request_lines():
+        lines = []
+        for line in opool.frontend.log().splitlines():
+            if line.startswith("{") and '"llamapool.request"' in line:
+                lines.append(json.loads(line))
+        ids = {entry["request_id"] for entry in lines}
+        return lines if {"logtest-1", "logtest-2"} <= ids else None
+
+    lines = wait_until(request_lines, 10, "both request log lines")
+    ok = next(e for e in lines if e["request_id"] == "logtest-1")
+    assert ok["status"] == 200 and ok["key"] == KEY[-4:]
+    assert ok["completion_tokens"] == 3 and ok["ending"] == "eof"
+    assert ok["slot_id"] in (0, 1, 2, 3) and ok["ttft_ms"] > 0
+    denied = next(e for e in lines if e["request_id"] == "logtest-2")
+    assert denied["status"] == 401 and denied["key"] == "-"
+    everything = opool.logs()
+    assert KEY not in everything and SECRET_PROMPT not in everything
+
+
+@pytest.fixture
+def empty_pool(tiny_model, tmp_path):
+    p = Pool(tiny_model, tmp_path, workers=0, wait_ready=False)
+    yield p
+    p.stop()
+
+
+def get_health(pool) -> httpx.Response | None:
+    try:
+        return httpx.get(pool.url + "/health", timeout=5)
+    except httpx.TransportError:
+        return None  # gunicorn not listening yet
+
+
+def test_health_goes_from_loading_to_ok(empty_pool):
+    def health():
+        return get_health(empty_pool)
+
+    r = wait_until(health, 30, "gunicorn to answer")
+    assert r.status_code == 503
+    assert r.json() == {"error": {"code": 503, "message": "Loading model",
+                                  "type": "unavailable_error"}}
+    empty_pool.start_worker()
+    wait_until(lambda: health().status_code == 200, 30, "/health to turn 200")
+    assert health().json()["status"] == "ok"
+
+
+def test_health_when_broker_is_down_answers_fast(empty_pool):
+    wait_until(lambda: get_health(empty_pool), 30, "gunicorn to answer")
+    empty_pool.broker.stop()
+    r = httpx.get(empty_pool.url + "/health", timeout=5)
+    assert r.status_code == 503
+    assert r.json()["error"]["message"] == "broker unreachable"
+    assert r.elapsed.total_seconds() < 3  # bounded by LLAMAPOOL_HEALTH_TIMEOUT_S
