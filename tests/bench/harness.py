@@ -1,0 +1,276 @@
+"""What the benchmark scripts share: starting servers, timing loops, tables.
+
+The benchmarks are scripts (``make bench-<name>``), not tests: pytest never
+collects ``tests/bench/bench_*.py``. Every server they measure is a real
+process started as a user starts it, and stopped with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from frontend import loadgen
+from tests.pool import free_port, wait_until
+
+STOP_TIMEOUT_S = 40.0
+
+
+def md_table(headers: list[str], rows: list[list[object]]) -> str:
+    """A markdown table; floats get a sensible number of digits."""
+
+    def cell(value: object) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            if value == 0 or abs(value) >= 100:
+                return f"{value:.0f}"
+            if abs(value) >= 10:
+                return f"{value:.1f}"
+            return f"{value:.2f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(headers) + " |",
+             "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or b is zero."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def median(values: list[float]) -> float | None:
+    return loadgen.percentile(values, 50)
+
+
+def default_model() -> str:
+    from workers.supervisor import default_model_path
+
+    return default_model_path()
+
+
+def tiny_model(directory: Path) -> str:
+    from workers.test_model import write_test_model
+
+    path = directory / "tiny.gguf"
+    if not path.exists():
+        write_test_model(path)
+    return str(path)
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # fields[11], fields[12] are utime, stime (stat fields 14 and 15).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Server:
+    """One server process (its own session), its log in a temp file."""
+
+    def __init__(self, name: str, argv: list[str], ready_url: str,
+                 env: dict | None = None, ready_timeout_s: float = 180) -> None:
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log",
+                                               delete=False)
+        self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                      env=env, start_new_session=True)
+
+        def ready() -> bool:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{name} exited early; log: {self.tail()}")
+            return http_ok(ready_url)
+
+        try:
+            wait_until(ready, ready_timeout_s, f"{name} to answer {ready_url}",
+                       interval_s=0.1)
+        except BaseException:
+            self.stop()
+            raise
+
+    def tail(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def llamapool_up(model: str, workers: int, threads: int, *, ctx: int = 2048,
+                 extra: tuple[str, ...] = ()) -> tuple[Server, str]:
+    """``llamapool up`` on a free port; returns the server and its base URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "workers.cli", "--log-level", "warning", "up",
+            "--model", model, "--workers", str(workers), "--threads", str(threads),
+            "--ctx", str(ctx), "--port", str(port), *extra]
+    server = Server("llamapool-up", argv, url + "/health")
+    # /health is ok with one worker; wait for all of them.
+    wait_until(lambda: _idle_slots(url) == workers, 180, f"{workers} idle slots",
+               interval_s=0.2)
+    return server, url
+
+
+def _idle_slots(url: str) -> int:
+    import json
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+            return json.loads(resp.read()).get("slots_idle", 0)
+    except OSError:
+        return 0
+
+
+def slot_pids(url: str) -> list[int]:
+    """Worker pids from ``/slots`` (open pool, no key)."""
+    import json
+
+    with urllib.request.urlopen(url + "/slots", timeout=5) as resp:
+        return [s["pid"] for s in json.loads(resp.read())]
+
+
+def llama_cpp_server(model: str, n_threads: int, *, ctx: int = 2048,
+                     extra: tuple[str, ...] = ()) -> tuple[Server, str]:
+    """llama-cpp-python's own OpenAI server on a free port."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "llama_cpp.server", "--model", model,
+            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(ctx),
+            "--n_threads", str(n_threads), "--n_threads_batch", str(n_threads),
+            *extra]
+    return Server("llama-cpp-server", argv, url + "/v1/models"), url
+
+
+def run_load(url: str, **config) -> dict:
+    """One ``llamapool bench`` run in this process; returns its report."""
+    return asyncio.run(loadgen.run_bench(loadgen.BenchConfig(base_url=url, **config)))
+
+
+# --- in-process generation -----------------------------------------------------
+
+
+@dataclasses.dataclass
+class LoopTiming:
+    ttft_s: float
+    total_s: float
+    tokens: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, over the time after the first."""
+        decode_s = self.total_s - self.ttft_s
+        return (self.tokens - 1) / decode_s if decode_s > 0 else 0.0
+
+
+#: The LlamaEngine's sampling defaults, so in-process loops do the same work.
+SAMPLING = {"temp": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+            "repeat_penalty": 1.0}
+
+
+def load_llama(model: str, n_threads: int, n_ctx: int = 2048):
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=n_threads,
+                           n_threads_batch=n_threads, verbose=False)
+
+
+def ban_eog(llama):
+    """A logits processor list that bans end-of-generation (ignore_eos)."""
+    import llama_cpp
+
+    vocab = llama._model.vocab
+    eog = [t for t in range(llama.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+
+    def processor(input_ids, scores):
+        scores[eog] = -float("inf")
+        return scores
+
+    return llama_cpp.LogitsProcessorList([processor])
+
+
+def generate_loop(llama, prompt: str, n_tokens: int, processors) -> LoopTiming:
+    """A bare ``Llama.generate`` loop, prefix reuse as the worker does it."""
+    from workers import kv_cache
+
+    tokens = llama.tokenize(prompt.encode("utf-8"), special=True)
+    started = time.perf_counter()
+    plan = kv_cache.plan_reuse(llama, tokens)
+    first = None
+    n = 0
+    gen = llama.generate(plan.tokens, reset=plan.reset, logits_processor=processors,
+                         **SAMPLING)
+    try:
+        for _token in gen:
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+            if n >= n_tokens:
+                break
+    finally:
+        gen.close()
+    ended = time.perf_counter()
+    return LoopTiming(ttft_s=(first or ended) - started, total_s=ended - started,
+                      tokens=n)
+
+
+def stream_once(url: str, prompt: str, max_tokens: int) -> LoopTiming:
+    """One streamed completion over HTTP, timed like ``generate_loop``."""
+    import json
+
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    first = None
+    tokens = 0
+    with httpx.stream("POST", loadgen.api_base(url) + "/completions", json=body,
+                      timeout=600) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            if first is None and any(c.get("text") for c in event.get("choices", [])):
+                first = time.perf_counter()
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    ended = time.perf_counter()
+    return LoopTiming(ttft_s=(first or ended) - started, total_s=ended - started,
+                      tokens=tokens)
