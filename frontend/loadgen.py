@@ -12,7 +12,9 @@ throughput and latency percentiles:
   chunk (``stream_options.include_usage``), else the number of text chunks.
 
 A 503 is counted apart from other failures (it is admission control working,
-not an error) and the client moves straight on to its next request. A stream
+not an error) and the client moves on to its next request, at once or after
+``wait_after_503_s`` (a refused client that retries at once spins, and on a
+small machine steals CPU from the server it measures). A stream
 that ends with ``data: {"error": ...}`` or without ``[DONE]``/finish_reason is
 a failure even though its HTTP status was 200.
 """
@@ -52,6 +54,7 @@ class BenchConfig:
     ignore_eos: bool = False
     model: str | None = None
     timeout_s: float = 600.0
+    wait_after_503_s: float = 0.0
 
     @property
     def endpoint_url(self) -> str:
@@ -238,6 +241,9 @@ def summarize(config: BenchConfig, results: list[RequestResult],
         ),
         "itl_ms": _ms_percentiles(itl, (50, 99)),
         "latency_ms": _ms_percentiles([r.latency_s for r in done], (50, 90, 99)),
+        "rejected_latency_ms": _ms_percentiles(
+            [r.latency_s for r in results if r.status == 503], (50, 99)
+        ),
         "status_counts": dict(sorted(statuses.items())),
         "errors": dict(errors.most_common()),
     }
@@ -288,7 +294,10 @@ async def run_bench(config: BenchConfig, progress: TextIO | None = None) -> dict
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         while take_turn():
-            results.append(await one_request(client, config))
+            result = await one_request(client, config)
+            results.append(result)
+            if result.status == 503 and config.wait_after_503_s > 0:
+                await asyncio.sleep(config.wait_after_503_s)
 
     line = ProgressLine(progress, config.requests, config.duration_s) \
         if progress is not None else None
@@ -342,6 +351,7 @@ def format_report(report: dict) -> str:
         ("TTFT ms", _fmt_ms(report["ttft_ms"])),
         ("inter-token ms", _fmt_ms(report["itl_ms"])),
         ("latency ms", _fmt_ms(report["latency_ms"])),
+        ("503 answer ms", _fmt_ms(report["rejected_latency_ms"])),
         ("HTTP status", statuses or "none"),
         ("errors", errors),
     ]
@@ -371,6 +381,7 @@ def config_from_args(args) -> BenchConfig:
         ignore_eos=args.ignore_eos,
         model=args.model,
         timeout_s=args.timeout,
+        wait_after_503_s=args.wait_after_503,
     )
 
 

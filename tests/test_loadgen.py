@@ -121,6 +121,7 @@ def test_bench_counts_503s_apart_when_concurrency_exceeds_slots(pool):
     assert report["requests_failed"] == 0 and report["errors"] == {}
     assert (report["requests_completed"] + report["requests_rejected_503"]) == 12
     assert report["rejections_per_s"] > 0
+    assert report["rejected_latency_ms"]["p50"] is not None
     pool.assert_whole()
 
 
@@ -136,6 +137,7 @@ def test_bench_prompt_file(pool, tmp_path):
     ["--requests", "3", "--duration", "2"],
     ["--concurrency", "0"],
     ["--max-tokens", "-1"],
+    ["--wait-after-503", "-0.5"],
     ["--prompt", "a", "--prompt-file", "b"],
     ["--prompt-file", "/nonexistent/prompt.txt"],
 ])
@@ -217,7 +219,7 @@ def test_bench_against_synthetic_pool(synthetic_pool):
 
 def test_bench_duration_mode(synthetic_pool):
     report = bench(synthetic_pool.url, "--duration", "1", "--concurrency", "2",
-                   "--max-tokens", "5")
+                   "--max-tokens", "5", "--wait-after-503", "0.01")
     assert report["duration_s"] >= 1.0
     assert report["requests_sent"] >= 4
     assert report["requests_completed"] == report["requests_sent"]

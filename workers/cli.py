@@ -71,6 +71,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, not {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -106,6 +113,10 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--model", default=None, help="the request's model field")
     bench.add_argument("--timeout", type=_positive_float, default=600.0,
                        help="per-request timeout in seconds")
+    bench.add_argument("--wait-after-503", type=_non_negative_float, default=0.0,
+                       metavar="S",
+                       help="a refused client waits S seconds before its next "
+                            "request (default 0: at once)")
     bench.add_argument("--json", action="store_true",
                        help="print the report as one JSON object on stdout")
     bench.add_argument("--no-progress", action="store_true",

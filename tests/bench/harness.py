@@ -80,16 +80,41 @@ def http_ok(url: str) -> bool:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of one process so far (from /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0  # gone
     # fields[11], fields[12] are utime, stime (stat fields 14 and 15).
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its live descendants (e.g. gunicorn's workers)."""
+    pids = [pid]
+    for p in pids:
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    pids += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+    return pids
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of a process and its live descendants."""
+    return sum(cpu_seconds(p) for p in process_tree(pid))
 
 
 class Server:
     """One server process (its own session), its log in a temp file."""
 
-    def __init__(self, name: str, argv: list[str], ready_url: str,
+    def __init__(self, name: str, argv: list[str], ready_url: str | None = None,
                  env: dict | None = None, ready_timeout_s: float = 180) -> None:
         self.name = name
         self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log",
@@ -97,9 +122,11 @@ class Server:
         self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
                                       env=env, start_new_session=True)
 
+        if ready_url is None:
+            return  # the caller knows when it is ready
+
         def ready() -> bool:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{name} exited early; log: {self.tail()}")
+            self.check_alive()
             return http_ok(ready_url)
 
         try:
@@ -108,6 +135,14 @@ class Server:
         except BaseException:
             self.stop()
             raise
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def check_alive(self) -> None:
+        if self.popen.poll() is not None:
+            raise RuntimeError(f"{self.name} exited early; log: {self.tail()}")
 
     def tail(self) -> str:
         return Path(self.log.name).read_text(errors="replace")[-3000:]
@@ -274,3 +309,40 @@ def stream_once(url: str, prompt: str, max_tokens: int) -> LoopTiming:
     ended = time.perf_counter()
     return LoopTiming(ttft_s=(first or ended) - started, total_s=ended - started,
                       tokens=tokens)
+
+
+def _generate_in_child(model: str, n_threads: int, prompt: str, n_tokens: int,
+                       reps: int, barrier, results) -> None:
+    llama = load_llama(model, n_threads)
+    processors = ban_eog(llama)
+    generate_loop(llama, prompt, 4, processors)  # warm-up
+    barrier.wait()
+    started = time.perf_counter()
+    tokens = sum(generate_loop(llama, prompt, n_tokens, processors).tokens
+                 for _ in range(reps))
+    results.put((tokens, reps, time.perf_counter() - started))
+
+
+def parallel_generate(model: str, processes: int, n_threads: int, prompt: str,
+                      n_tokens: int, reps: int) -> dict:
+    """The ceiling: ``processes`` in-process generate loops side by side.
+
+    Returns requests/s and tokens/s over the slowest process's wall time.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(processes)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_generate_in_child,
+                         args=(model, n_threads, prompt, n_tokens, reps, barrier,
+                               results))
+             for _ in range(processes)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=3600) for _ in procs]
+    for p in procs:
+        p.join()
+    wall_s = max(seconds for _, _, seconds in outcomes)
+    return {"requests_per_s": sum(r for _, r, _ in outcomes) / wall_s,
+            "output_tokens_per_s": sum(t for t, _, _ in outcomes) / wall_s}

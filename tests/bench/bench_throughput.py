@@ -1,0 +1,95 @@
+"""Throughput of the pool vs llama-cpp-python's server vs the ceiling.
+
+    make bench-throughput   # or: python -m tests.bench.bench_throughput
+
+* ``llamapool up --workers 2 --threads 1``, driven by ``llamapool bench`` at
+  concurrency 1, 2 and 4 (at 4, two clients at a time are refused with 503,
+  counted apart, and ask again after ``--wait-after-503``: retrying at once
+  would spin and steal CPU from the workers on a small machine);
+* llama-cpp-python's server (``--n_threads 2 --interrupt_requests False``:
+  one model, requests served one after another), same loads;
+* the ceiling: two processes each running a bare ``Llama.generate`` loop
+  with one thread, side by side, no HTTP at all.
+
+Same model (Gemma 3 270M by default), same prompt, ``--tokens`` tokens per
+request with ``ignore_eos``. Each load runs for ``--duration`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from tests.bench import harness
+
+PROMPT = "Write a short story about a llama who learns to fly."
+CONCURRENCY = (1, 2, 4)
+
+
+def load_rows(name: str, url: str, args, ceiling: dict) -> list[list]:
+    rows = []
+    for c in CONCURRENCY:
+        report = harness.run_load(
+            url, concurrency=c, requests=None, duration_s=args.duration,
+            max_tokens=args.tokens, prompt=PROMPT, ignore_eos=True,
+            wait_after_503_s=args.wait_after_503,
+        )
+        rows.append([
+            name, c, report["requests_per_s"], report["output_tokens_per_s"],
+            harness.ratio(report["output_tokens_per_s"],
+                          ceiling["output_tokens_per_s"]),
+            report["ttft_ms"]["p50"], report["latency_ms"]["p50"],
+            report["rejections_per_s"], report["requests_failed"],
+        ])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF (default: Gemma 3 270M)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--duration", type=float, default=30.0,
+                        help="seconds per load level")
+    parser.add_argument("--wait-after-503", type=float, default=0.05,
+                        help="a refused client's pause before it asks again")
+    parser.add_argument("--ceiling-reps", type=int, default=20,
+                        help="generations per process for the ceiling")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 3 s per level, 16 tokens, 2 ceiling reps")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.duration, args.tokens, args.ceiling_reps = 3.0, 16, 2
+    model = args.model or harness.default_model()
+
+    ceiling = harness.parallel_generate(model, processes=2, n_threads=1,
+                                        prompt=PROMPT, n_tokens=args.tokens,
+                                        reps=args.ceiling_reps)
+    rows = []
+    server, url = harness.llamapool_up(model, workers=2, threads=1)
+    try:
+        rows += load_rows("llamapool up (2 workers × 1 thread)", url, args, ceiling)
+    finally:
+        server.stop()
+    server, url = harness.llama_cpp_server(
+        model, n_threads=2, extra=("--interrupt_requests", "False"))
+    try:
+        rows += load_rows("llama-cpp-python server (2 threads)", url, args, ceiling)
+    finally:
+        server.stop()
+    rows.append(["ceiling: 2 × Llama.generate (1 thread each)", "-",
+                 ceiling["requests_per_s"], ceiling["output_tokens_per_s"], 1.0,
+                 None, None, None, None])
+
+    print(f"## Throughput ({os.path.basename(model)}, {args.tokens} tokens, "
+          f"ignore_eos, {args.duration:.0f} s per level, {os.cpu_count()} cores, "
+          f"refused clients wait {args.wait_after_503} s)\n")
+    print(harness.md_table(
+        ["target", "concurrency", "completed req/s", "output tokens/s",
+         "× ceiling", "TTFT p50 ms", "latency p50 ms", "503/s", "failed"],
+        rows,
+    ))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
