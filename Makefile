@@ -28,5 +28,25 @@ serve: $(STAMP_SERVE)
 test: $(STAMP_TEST)
 	$(PY) -m pytest tests
 
+# Benchmarks: scripts in tests/bench/ (pytest never collects them), each
+# printing a markdown table. `make bench-broker BENCH_ARGS=--quick` for a
+# short smoke run.
+.PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop
+
+bench-overhead: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
+
+bench-throughput: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_throughput $(BENCH_ARGS)
+
+bench-broker: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_broker $(BENCH_ARGS)
+
+bench-memory: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_memory $(BENCH_ARGS)
+
+bench-generate-loop: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_generate_loop $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache
