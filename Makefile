@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP_SERVE := $(VENV)/.installed-serve
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: serve test venv clean
+.PHONY: serve test faults venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ serve: $(STAMP_SERVE)
 
 test: $(STAMP_TEST)
 	$(PY) -m pytest tests
+
+# The fault-injection suite alone (also part of `make test`); prints a table.
+faults: $(STAMP_TEST)
+	$(PY) -m pytest tests/faults
 
 # Benchmarks: scripts in tests/bench/ (pytest never collects them), each
 # printing a markdown table. `make bench-broker BENCH_ARGS=--quick` for a

@@ -7,6 +7,7 @@ after gunicorn has forked this process.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import uuid
@@ -23,6 +24,7 @@ from frontend.prompt_gate import PromptGate
 from frontend.request_log import RequestLogMiddleware
 from frontend.settings import FrontendSettings
 from frontend.sse import EventStreamBody
+from protocol.curve import client_keys
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
@@ -107,6 +109,8 @@ class GenerationResource:
             parsed.include_usage,
         )
         resp.set_header("X-Slot-Id", str(job.slot_id))
+        # Which gunicorn process holds the lease: for operators and fault tests.
+        resp.set_header("X-Frontend-Pid", str(os.getpid()))
         if not parsed.stream:
             text, final = collect(job, self.link, s.frame_timeout_s,
                                   s.credit_batch_frames)
@@ -255,6 +259,7 @@ def create_app(settings: FrontendSettings, link: BrokerLink | None = None) -> Ll
         settings.broker_endpoint,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         heartbeat_liveness=settings.heartbeat_liveness,
+        curve=client_keys(settings.curve_server_key, settings.curve_secret_key),
     )
     app = LlamapoolApp(
         middleware=[

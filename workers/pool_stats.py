@@ -47,6 +47,8 @@ class FixedHistogram:
             "count": self.count,
             "p50": recent[len(recent) // 2] if recent else None,
             "max": recent[-1] if recent else None,
+            # The newest observations in arrival order (for per-run figures).
+            "recent": list(self.recent)[-256:],
         }
 
 
