@@ -90,7 +90,11 @@ def _client_that_disconnects(port: int, rng: random.Random, results: list) -> No
     point = rng.choice(["before_first_token", "mid_stream", "at_the_end"])
     body = {"prompt": "Hello world", "stream": True, "ignore_eos": True,
             "max_tokens": rng.choice([8, 64, 400])}
+    deadline = time.monotonic() + 30
     while True:
+        if time.monotonic() > deadline:
+            results.append("no slot for 30 s")  # a leak would end up here
+            return
         payload = json.dumps(body).encode()
         s = socket.create_connection(("127.0.0.1", port), timeout=30)
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: "
