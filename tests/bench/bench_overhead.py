@@ -22,7 +22,8 @@ PROMPT = "The history of the llama begins in the high Andes, where"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF (default: Gemma 3 270M)")
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument("--threads", type=int,
+                        default=max(1, (os.cpu_count() or 2) // 2))
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--quick", action="store_true",
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         ["", "llamapool up (HTTP+broker+worker+SSE)", "Llama.generate in-process",
          "ratio pool / in-process"],
         [
-            ["decode tokens/s", pool_tps, local_tps, harness.ratio(pool_tps, local_tps)],
+            ["decode tokens/s", pool_tps, local_tps,
+             harness.ratio(pool_tps, local_tps)],
             ["end-to-end tokens/s", pool_e2e, local_e2e,
              harness.ratio(pool_e2e, local_e2e)],
             ["TTFT p50 ms", pool_ttft * 1000, local_ttft * 1000,
