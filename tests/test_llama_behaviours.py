@@ -122,6 +122,20 @@ def test_many_mixed_requests_in_one_engine(engine):
         assert result.finish_reason in ("stop", "length", "cancelled")
 
 
+def test_odd_context_size_is_rounded_so_the_context_can_be_filled(tiny_model):
+    """llama.cpp pads n_ctx to 256s while Llama's token record keeps the size
+    asked for; filling the context must not run past either."""
+    engine = LlamaEngine(str(tiny_model), n_ctx=300, n_threads=1)
+    assert engine.n_ctx == 512 == len(engine.llama.input_ids)
+    result = engine.run(completion("Hello", max_tokens=None, ignore_eos=True),
+                        RecordingSink())
+    assert result.finish_reason == "length"
+    assert result.prompt_tokens + result.completion_tokens == engine.n_ctx
+    # And again with a shared prefix after a full context.
+    result = engine.run(completion("Hello world", max_tokens=8), RecordingSink())
+    assert result.cached_tokens >= 1
+
+
 # --- 3. the GIL is released during decode ---------------------------------------------
 
 

@@ -13,7 +13,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.pool import Pool, wait_until
+from tests.pool import Pool, Proc, cli, free_port, wait_until
 from tests.test_slot_paths import LONG, RawStream, wait_paused
 
 pytestmark = pytest.mark.stack
@@ -260,3 +260,44 @@ def test_health_when_broker_is_down_answers_fast(empty_pool):
     assert r.status_code == 503
     assert r.json()["error"]["message"] == "broker unreachable"
     assert r.elapsed.total_seconds() < 3  # bounded by LLAMAPOOL_HEALTH_TIMEOUT_S
+
+
+def test_broker_and_worker_serve_their_own_metrics(tiny_model, tmp_path):
+    broker_port, worker_port = free_port(), free_port()
+    fe, wk = f"ipc://{tmp_path}/fe", f"ipc://{tmp_path}/wk"
+    broker = Proc("broker", cli("broker", "--frontends", fe, "--workers", wk,
+                                "--metrics-port", str(broker_port),
+                                "--heartbeat-interval-s", "0.2"), tmp_path)
+    worker = Proc("worker", cli("worker", "--broker", wk, "--model", str(tiny_model),
+                                "--metrics-port", str(worker_port),
+                                "--heartbeat-interval-s", "0.2"), tmp_path)
+    try:
+        def scrape_port(port, needle):
+            try:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            except httpx.TransportError:
+                return None
+            return text if needle in text else None
+
+        text = wait_until(lambda: scrape_port(broker_port, "llamapool_slots_registered 1"),
+                          30, "the broker to export one registered slot")
+        assert "llama_tokens_generated_total" in text
+        text = wait_until(lambda: scrape_port(worker_port, "llamapool_worker_loaded 1"),
+                          30, "the worker to export loaded=1")
+        assert "llamapool_worker_jobs_total 0.0" in text
+    finally:
+        worker.stop()
+        broker.stop()
+
+
+def test_shipped_prometheus_config_is_valid():
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("LLAMAPOOL_REQUIRE_PROMTOOL"):
+            pytest.fail("promtool is required here (Debian package prometheus)")
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    config = os.path.join(os.path.dirname(__file__), "..", "deploy", "prometheus",
+                          "prometheus.yml")
+    result = subprocess.run([promtool, "check", "config", "--syntax-only", config],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -22,6 +22,9 @@ from workers.stop_strings import StopStringFilter
 
 log = logging.getLogger("llamapool.worker")
 
+#: llama.cpp pads the context size to a multiple of this.
+CTX_GRANULARITY = 256
+
 class LlamaEngine:
     """Serves one request at a time from one ``llama_cpp.Llama``."""
 
@@ -37,6 +40,11 @@ class LlamaEngine:
         chat_format: str | None = None,
         model_name: str | None = None,
     ) -> None:
+        # llama.cpp rounds the context up to a multiple of 256, but Llama sizes
+        # its token record (input_ids) to the number passed in: past that
+        # record the Python side drops tokens or raises after a successful
+        # decode. Asking for the rounded size keeps the two equal.
+        n_ctx = -(-n_ctx // CTX_GRANULARITY) * CTX_GRANULARITY
         self.llama = llama_cpp.Llama(
             model_path=model_path,
             n_ctx=n_ctx,
@@ -45,7 +53,7 @@ class LlamaEngine:
             n_batch=n_batch,
             verbose=False,
         )
-        self.n_ctx = self.llama.n_ctx()
+        self.n_ctx = min(self.llama.n_ctx(), len(self.llama.input_ids))
         self.model_name = model_name or os.path.basename(model_path)
         self._vocab = self.llama._model.vocab
         self.prompts = PromptBuilder(self.llama, chat_format)

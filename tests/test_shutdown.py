@@ -1,0 +1,104 @@
+"""Graceful shutdown: SIGTERM finishes or ends work cleanly; a second one is
+immediate; nobody prints a traceback."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import httpx
+import pytest
+
+from tests.pool import Pool, wait_until
+from tests.test_slot_paths import LONG, RawStream, wait_paused
+from workers.signals import EXIT_FORCED
+
+pytestmark = pytest.mark.stack
+
+
+def events(data: bytes) -> list[str]:
+    return [line[6:] for line in data.decode().split("\n") if line.startswith("data: ")]
+
+
+@pytest.fixture
+def make_pool(tiny_model, tmp_path):
+    pools = []
+
+    def make(**kw):
+        pool = Pool(tiny_model, tmp_path / f"p{len(pools)}", **kw)
+        pools.append(pool)
+        return pool
+
+    for d in range(3):
+        (tmp_path / f"p{d}").mkdir()
+    yield make
+    for pool in pools:
+        pool.stop()
+
+
+def test_idle_worker_leaves_the_ledger_on_sigterm(make_pool):
+    pool = make_pool(workers=2)
+    worker = pool.workers[0]
+    worker.popen.send_signal(signal.SIGTERM)
+    assert worker.popen.wait(timeout=10) == 0
+    pool.wait_free(1)
+    assert pool.status()["counters"].get("worker_deaths", 0) == 0  # a goodbye
+    assert "Traceback" not in worker.log()
+
+
+def test_busy_worker_finishes_its_job_within_the_grace_period(make_pool):
+    pool = make_pool(workers=1)
+    stream = RawStream(pool.port, LONG)
+    wait_paused(pool, int(stream.header("X-Slot-Id")))
+    worker = pool.workers[0]
+    worker.popen.send_signal(signal.SIGTERM)
+    # It takes no new job meanwhile.
+    wait_until(lambda: pool.status()["slots_free"] == 0, 5, "draining")
+    r = httpx.post(pool.url + "/v1/completions", json={"prompt": "Hi"})
+    assert r.status_code == 503
+    data = stream.read_to_end()
+    stream.close()
+    assert events(data)[-1] == "[DONE]"
+    assert json.loads(events(data)[-2])["choices"][0]["finish_reason"] == "length"
+    assert worker.popen.wait(timeout=10) == 0
+    pool.wait_free(0)
+
+
+def test_grace_period_over_ends_the_job_with_a_clear_error(make_pool):
+    pool = make_pool(workers=1, worker_args=("--shutdown-grace-s", "0.5"))
+    stream = RawStream(pool.port, LONG)
+    wait_paused(pool, int(stream.header("X-Slot-Id")))
+    worker = pool.workers[0]
+    worker.popen.send_signal(signal.SIGTERM)
+    assert worker.popen.wait(timeout=10) == 0
+    data = stream.read_to_end()
+    stream.close()
+    last = json.loads(events(data)[-1])
+    assert last["error"]["code"] == "worker_shutdown"
+    assert "[DONE]" not in events(data)
+    pool.wait_free(0)
+
+
+def test_second_sigterm_exits_at_once(make_pool):
+    pool = make_pool(workers=1)
+    stream = RawStream(pool.port, LONG)
+    wait_paused(pool, int(stream.header("X-Slot-Id")))
+    worker = pool.workers[0]
+    worker.popen.send_signal(signal.SIGTERM)
+    wait_until(lambda: pool.status()["slots"][0].get("state") == "busy"
+               and pool.status()["slots_free"] == 0, 5, "draining")
+    worker.popen.send_signal(signal.SIGTERM)
+    assert worker.popen.wait(timeout=5) == EXIT_FORCED
+    stream.close()
+
+
+def test_broker_and_frontend_exit_cleanly(make_pool):
+    pool = make_pool(workers=1)
+    httpx.post(pool.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    pool.probe.close()
+    assert pool.frontend.stop() == 0
+    assert pool.broker.stop() == 0
+    for proc in (pool.frontend, pool.broker):
+        assert "Traceback" not in proc.log(), proc.log()
+    # The worker notices the broker is gone and keeps trying; SIGTERM ends it.
+    assert pool.workers[0].stop() == 0
