@@ -24,6 +24,7 @@ import zmq
 
 from frontend import metrics
 from protocol import messages
+from protocol.curve import ClientKeys
 
 log = logging.getLogger("llamapool.frontend")
 
@@ -64,10 +65,12 @@ class BrokerLink:
         *,
         heartbeat_interval_s: float,
         heartbeat_liveness: int,
+        curve: ClientKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_liveness = heartbeat_liveness
+        self.curve = curve
         self._start_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._streams: dict[str, JobStream] = {}
@@ -116,12 +119,13 @@ class BrokerLink:
         with self._send_lock:
             self._push.send_multipart(frames)
 
-    def submit(self, job_id: str, request: dict) -> JobStream:
+    def submit(self, job_id: str, request: dict,
+               prefix_blocks: list[int] | None = None) -> JobStream:
         """Open the job's stream, then send SUBMIT (so no frame can be missed)."""
         self.start()
         stream = JobStream(job_id)
         self._streams[job_id] = stream
-        self.send(messages.Submit(job_id, request))
+        self.send(messages.Submit(job_id, request, prefix_blocks or []))
         return stream
 
     def forget(self, job_id: str) -> None:
@@ -153,6 +157,8 @@ class BrokerLink:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.connect(self.endpoint)
         sock.send_multipart(messages.Hello(os.getpid(), socket.gethostname()).to_wire())
         return sock

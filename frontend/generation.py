@@ -17,6 +17,7 @@ from frontend.errors import NoSlotAvailable, Unavailable, UpstreamError
 from frontend.lease import SlotLease
 from frontend.sse import JobOutcome
 from protocol import messages
+from protocol.prefix import prefix_blocks
 
 
 @dataclasses.dataclass
@@ -42,7 +43,9 @@ def start_job(
     outcome = outcome or JobOutcome()
     lease = SlotLease(job_id, link.send, link.forget, on_release)
     try:
-        stream = link.submit(job_id, generation)
+        tokens = generation.get("prompt_tokens")
+        stream = link.submit(job_id, generation,
+                             prefix_blocks(tokens) if tokens else None)
         answer = stream.get(submit_timeout_s)
         if answer is None:
             raise Unavailable("the broker did not answer", code="broker_unreachable")

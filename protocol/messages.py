@@ -47,8 +47,7 @@ _STR = (str,)
 _INT = (int,)
 _NUM = (int, float)
 _MAP = (dict,)
-_OPT_NUM = (int, float, type(None))
-_OPT_INT = (int, type(None))
+_LIST = (list,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,16 +168,20 @@ class Disconnect(Message):
 # --- jobs --------------------------------------------------------------------
 
 
-@_register(0x10, job_id=_STR, request=_MAP)
+@_register(0x10, job_id=_STR, request=_MAP, prefix_blocks=_LIST)
 class Submit(Message):
     """Frontend -> broker -> worker: run one generation.
 
     ``request`` is the validated generation request (see
     ``frontend.openai_schema``); the broker does not look inside it.
+    ``prefix_blocks`` are running hashes of the prompt's tokens, one per
+    block (``protocol.prefix``); the broker routes to the idle worker whose
+    KV cache already holds the longest run of them.
     """
 
     job_id: str
     request: dict
+    prefix_blocks: list = dataclasses.field(default_factory=list)
 
 
 @_register(0x11, job_id=_STR, slot_id=_INT, model=_STR)

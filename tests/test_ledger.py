@@ -101,3 +101,16 @@ def test_least_recently_used_idle_worker_gets_the_job():
     assert ledger.assign("j1", b"f", 2).identity == b"a"
     ledger.finish("j1", 3)
     assert ledger.assign("j2", b"f", 4).identity == b"b"
+
+
+def test_the_worker_holding_the_prefix_wins_over_lru():
+    ledger = Ledger(TIMEOUT_S)
+    ledger.register_worker(b"a", ready("a"), 0)
+    ledger.register_worker(b"b", ready("b"), 1)
+    assert ledger.assign("j1", b"f", 2, [11, 12, 13]).identity == b"a"
+    assert ledger.assign("j2", b"f", 3, [21, 22]).identity == b"b"
+    ledger.finish("j1", 4)
+    ledger.finish("j2", 5)
+    # LRU would pick "a"; "b" holds the first two blocks of this prompt.
+    slot = ledger.assign("j3", b"f", 6, [21, 22, 99])
+    assert slot.identity == b"b" and slot.shared_blocks_at_assign == 2

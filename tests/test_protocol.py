@@ -16,6 +16,7 @@ SAMPLE_VALUES = {
     (int,): 7,
     (int, float): 1.5,
     (dict,): {"k": [1, "v"]},
+    (list,): [1, 2, 3],
 }
 
 

@@ -27,6 +27,7 @@ import time
 import zmq
 
 from protocol import messages, timing
+from protocol.prefix import MAX_BLOCKS
 from workers import ledger as ledger_mod
 from workers import sd_notify
 from workers.broker_metrics import LatestSnapshotCollector
@@ -238,7 +239,10 @@ class Broker:
                 messages.Error(msg.job_id, "duplicate_job", "duplicate job id", 400),
             )
             return
-        slot = self.ledger.assign(msg.job_id, ident, now)
+        slot = self.ledger.assign(msg.job_id, ident, now,
+                                  msg.prefix_blocks[:MAX_BLOCKS])
+        if slot is not None and slot.shared_blocks_at_assign:
+            self.counters["routed_by_prefix"] += 1
         if slot is None:
             self.counters["no_slot"] += 1
             self._to_frontend(

@@ -22,6 +22,7 @@ import math
 import time
 
 from protocol import messages, timing
+from protocol.prefix import shared_blocks
 
 LOADING = "loading"
 IDLE = "idle"
@@ -48,6 +49,10 @@ class WorkerSlot:
     idle_since: float = 0.0
     #: Said goodbye (SIGTERM): gets no new job, leaves when its job ends.
     draining: bool = False
+    #: Prefix fingerprints of the last prompt it ran: what its KV cache holds.
+    cached_blocks: list = dataclasses.field(default_factory=list)
+    #: Blocks the current job's prompt shared with that cache when assigned.
+    shared_blocks_at_assign: int = 0
 
 
 @dataclasses.dataclass
@@ -166,8 +171,13 @@ class Ledger:
 
     # --- jobs --------------------------------------------------------------------
 
-    def assign(self, job_id: str, frontend: bytes, now: float) -> WorkerSlot | None:
-        """Give the job the least recently used idle slot, or None if all busy."""
+    def assign(self, job_id: str, frontend: bytes, now: float,
+               prefix_blocks: list | None = None) -> WorkerSlot | None:
+        """Give the job an idle slot, or None if all are busy.
+
+        The idle worker whose cache holds the longest run of the prompt's
+        prefix blocks wins; among equals, the least recently used one.
+        """
         if job_id in self.jobs:
             raise ValueError(f"duplicate job id {job_id!r}")
         idle = [
@@ -175,7 +185,11 @@ class Ledger:
         ]
         if not idle:
             return None
-        slot = min(idle, key=lambda w: w.idle_since)
+        blocks = prefix_blocks or []
+        slot = min(idle, key=lambda w: (-shared_blocks(w.cached_blocks, blocks),
+                                        w.idle_since))
+        slot.shared_blocks_at_assign = shared_blocks(slot.cached_blocks, blocks)
+        slot.cached_blocks = blocks
         slot.state = BUSY
         slot.job_id = job_id
         slot.lease_taken_at = now
