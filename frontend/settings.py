@@ -21,6 +21,8 @@ Every default is documented in this one place.
 | LLAMAPOOL_CHAT_FORMAT            | (template)     | same as the workers' format  |
 | LLAMAPOOL_CTX                    | 2048           | workers' context size        |
 | LLAMAPOOL_STREAM_SNDBUF_BYTES    | 65536          | kernel buffer per SSE stream |
+| LLAMAPOOL_CURVE_SERVER_KEY       | (none)         | broker's public .key (CURVE) |
+| LLAMAPOOL_CURVE_SECRET_KEY       | (none)         | own .key_secret (CURVE)      |
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class FrontendSettings:
     chat_format: str | None = None
     n_ctx: int = 2048
     stream_sndbuf_bytes: int = 65536
+    #: CURVE key files for the broker link (``protocol.curve``); empty: plaintext.
+    curve_server_key: str = ""
+    curve_secret_key: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FrontendSettings:
@@ -102,4 +107,6 @@ class FrontendSettings:
             stream_sndbuf_bytes=number(
                 "LLAMAPOOL_STREAM_SNDBUF_BYTES", cls.stream_sndbuf_bytes, int
             ),
+            curve_server_key=env.get("LLAMAPOOL_CURVE_SERVER_KEY", ""),
+            curve_secret_key=env.get("LLAMAPOOL_CURVE_SECRET_KEY", ""),
         )
