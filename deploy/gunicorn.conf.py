@@ -59,6 +59,27 @@ def child_exit(server, worker):
         multiprocess.mark_process_dead(worker.pid)
 
 
+# --- systemd (Type=notify) ---------------------------------------------------
+# gunicorn's arbiter sends READY=1 itself once it listens (Arbiter.start in
+# gunicorn/arbiter.py). The watchdog pings come from a thread in the arbiter,
+# and only while some worker has checked in within gunicorn's own `timeout`
+# (the test the arbiter uses to kill a stuck worker): a frontend whose
+# workers are all wedged stops pinging, and systemd restarts it.
+
+
+def when_ready(server):
+    import time
+
+    from workers.sd_notify import Notifier
+
+    def serving() -> bool:
+        now = time.monotonic()
+        return any(now - w.tmp.last_update() <= server.timeout
+                   for w in list(server.WORKERS.values()))
+
+    Notifier().start_watchdog_thread(serving)
+
+
 def post_worker_init(worker):
     # Connect to the broker and load the tokenizer now, not on the first request.
     warm_up = getattr(worker.wsgi, "warm_up", None)

@@ -93,7 +93,11 @@ class AllowList:
 
 
 class BrokerSecurity:
-    """Holds the broker's CURVE state; inert (plaintext) when not configured."""
+    """Holds the broker's CURVE state; inert (plaintext) when not configured.
+
+    Nothing is read until ``start``, so a bad key file surfaces at bind time,
+    where the CLI maps it to a named exit code.
+    """
 
     def __init__(
         self,
@@ -102,22 +106,17 @@ class BrokerSecurity:
         insecure_plaintext: bool = False,
         on_refused: Callable[[], None] = lambda: None,
     ) -> None:
-        if bool(secret_key_file) != bool(authorized_dir):
-            raise curve.CurveKeyError(
-                "CURVE needs both --curve-secret-key and --curve-authorized-dir"
-            )
+        self.secret_key_file = secret_key_file
+        self.authorized_dir = authorized_dir
         self.insecure_plaintext = insecure_plaintext
-        self._keys = (
-            curve.ServerKeys.from_file(secret_key_file) if secret_key_file else None
-        )
-        self.allow_list = (
-            AllowList(authorized_dir, on_refused) if authorized_dir else None
-        )
+        self._on_refused = on_refused
+        self._keys: curve.ServerKeys | None = None
+        self.allow_list: AllowList | None = None
         self._auth: ThreadAuthenticator | None = None
 
     @property
     def enabled(self) -> bool:
-        return self._keys is not None
+        return bool(self.secret_key_file or self.authorized_dir)
 
     def check_endpoints(self, endpoints: Iterable[str]) -> None:
         """Enforce the bind policy.
@@ -144,11 +143,22 @@ class BrokerSecurity:
         )
 
     def start(self, ctx: zmq.Context) -> None:
-        """Start the ZAP handler (before any CURVE socket binds)."""
+        """Load the keys and start the ZAP handler (before any socket binds).
+
+        Raises:
+            CurveKeyError: a key file or the directory is missing or bad, or
+                only one of the two is configured.
+        """
         if not self.enabled or self._auth is not None:
             return
+        if not (self.secret_key_file and self.authorized_dir):
+            raise curve.CurveKeyError(
+                "CURVE needs both --curve-secret-key and --curve-authorized-dir"
+            )
         if not curve.available():
             raise curve.CurveKeyError("this libzmq has no CURVE support")
+        self._keys = curve.ServerKeys.from_file(self.secret_key_file)
+        self.allow_list = AllowList(self.authorized_dir, self._on_refused)
         self._auth = ThreadAuthenticator(ctx, log=log.getChild("zap"))
         self._auth.start()
         self._auth.configure_curve_callback(

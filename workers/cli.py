@@ -1,7 +1,7 @@
 """The ``llamapool`` command.
 
 Subcommands: ``up``, ``broker``, ``worker``, ``frontend``, ``make-test-model``,
-``bench``.
+``bench``, ``keygen``.
 Each flag also has a ``LLAMAPOOL_*`` environment variable where noted.
 """
 
@@ -13,12 +13,16 @@ import os
 import sys
 
 from protocol import timing
+from protocol.curve import CurveKeyError
+from workers import curve_cli
 
 #: Exit codes for boot failures (gunicorn/dramatiq style named codes).
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_MODEL_LOAD = 3
 EXIT_BIND = 5
+EXIT_INSECURE = 6  # a non-loopback endpoint without CURVE
+EXIT_CURVE_KEYS = 7  # a CURVE key file or directory is missing or bad
 
 
 def _setup_logging(level: str, fmt: str) -> None:
@@ -147,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument("--metrics-port", type=int, default=None,
                         help="serve the broker's own /metrics on this port")
     _add_liveness_flags(broker)
+    curve_cli.add_server_flags(broker)
 
     worker = sub.add_parser("worker", help="one model worker")
     worker.add_argument("--broker", required=True, help="broker workers endpoint")
@@ -163,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve the worker's own /metrics on this port")
     _add_model_flags(worker)
     _add_liveness_flags(worker)
+    curve_cli.add_client_flags(worker)
 
     frontend = sub.add_parser("frontend", help="gunicorn on the Falcon app")
     frontend.add_argument("--broker", required=True, help="broker frontends endpoint")
@@ -175,10 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the workers' context size (with --model)")
     _add_key_flags(frontend)
     _add_liveness_flags(frontend)
+    curve_cli.add_client_flags(frontend)
 
     model = sub.add_parser("make-test-model", help="write the tiny test GGUF")
     model.add_argument("path")
     _add_bench_parser(sub)
+    curve_cli.add_keygen_parser(sub)
     return parser
 
 
@@ -186,6 +194,7 @@ def run_broker(args: argparse.Namespace) -> int:
     import zmq
 
     from workers.broker import Broker, BrokerSettings
+    from workers.broker_security import InsecureEndpoint
     from workers.signals import StopFlag
 
     stop = StopFlag().install()
@@ -199,9 +208,18 @@ def run_broker(args: argparse.Namespace) -> int:
         workers_endpoint=args.workers,
         heartbeat_interval_s=args.heartbeat_interval_s,
         heartbeat_liveness=args.heartbeat_liveness,
+        curve_secret_key=args.curve_secret_key,
+        curve_authorized_dir=args.curve_authorized_dir,
+        insecure_plaintext=args.insecure_plaintext,
     ), metrics=metrics)
     try:
         broker.bind()
+    except InsecureEndpoint as exc:
+        logging.getLogger("llamapool.broker").error("%s", exc)
+        return EXIT_INSECURE
+    except CurveKeyError as exc:
+        logging.getLogger("llamapool.broker").error("%s", exc)
+        return EXIT_CURVE_KEYS
     except zmq.ZMQError as exc:
         logging.getLogger("llamapool.broker").error("cannot bind: %s", exc)
         return EXIT_BIND
@@ -241,6 +259,11 @@ def run_worker(args: argparse.Namespace) -> int:
             )
 
         label = args.model_name or os.path.basename(args.model)
+    try:
+        curve_keys = curve_cli.client_keys_from(args)
+    except CurveKeyError as exc:
+        log.error("%s", exc)
+        return EXIT_CURVE_KEYS
     stop = StopFlag().install()
     worker = ModelWorker(WorkerSettings(
         broker_endpoint=args.broker,
@@ -248,6 +271,7 @@ def run_worker(args: argparse.Namespace) -> int:
         heartbeat_liveness=args.heartbeat_liveness,
         stall_timeout_s=args.stall_timeout_s,
         shutdown_grace_s=args.shutdown_grace_s,
+        curve=curve_keys,
     ), load_engine, label)
     if args.metrics_port:
         from workers.worker_metrics import serve_worker_metrics
@@ -279,6 +303,11 @@ def run_frontend(args: argparse.Namespace) -> int:
         log.info("API keys required; first key ends in ...%s", key_suffix(shown[0]))
     else:
         log.warning("no API key set: every endpoint is open")
+    try:
+        curve_cli.client_keys_from(args)  # fail here, not in every gunicorn worker
+    except CurveKeyError as exc:
+        log.error("%s", exc)
+        return EXIT_CURVE_KEYS
     exec_gunicorn(frontend_env(
         args.broker, args.bind, keys, args.api_key_file,
         {"LLAMAPOOL_HEARTBEAT_INTERVAL_S": str(args.heartbeat_interval_s),
@@ -287,7 +316,8 @@ def run_frontend(args: argparse.Namespace) -> int:
          "LLAMAPOOL_CHAT_FORMAT": args.chat_format or "",
          "LLAMAPOOL_CTX": str(args.ctx),
          "LLAMAPOOL_LOG_LEVEL": args.log_level,
-         "LLAMAPOOL_LOG_FORMAT": args.log_format},
+         "LLAMAPOOL_LOG_FORMAT": args.log_format,
+         **curve_cli.client_key_env(args)},
     ))
     return EXIT_OK  # not reached
 
@@ -327,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "frontend": run_frontend,
         "make-test-model": run_make_test_model,
         "bench": run_bench,
+        "keygen": curve_cli.run_keygen,
     }
     return handlers[args.command](args)
 
