@@ -83,13 +83,12 @@ def tune_stream_socket(req: falcon.Request, sndbuf_bytes: int) -> None:
 class GenerationResource:
     """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
 
-    def __init__(self, kind: str, link: BrokerLink, settings: FrontendSettings,
-                 gate: PromptGate | None):
+    def __init__(self, kind: str, link: BrokerLink,
+                 settings: FrontendSettings, gate: PromptGate | None):
         self.kind = kind
         self.gate = gate
-        self.parse = (
-            openai_schema.parse_chat if kind == "chat" else openai_schema.parse_completion
-        )
+        self.parse = (openai_schema.parse_chat if kind == "chat"
+                      else openai_schema.parse_completion)
         self.link = link
         self.settings = settings
 
@@ -260,7 +259,9 @@ class LlamapoolApp(falcon.App):
             self.gate.load()
 
 
-def create_app(settings: FrontendSettings, link: BrokerLink | None = None) -> LlamapoolApp:
+def create_app(
+    settings: FrontendSettings, link: BrokerLink | None = None
+) -> LlamapoolApp:
     """Build the WSGI app. ``link`` may be injected by tests."""
     link = link or BrokerLink(
         settings.broker_endpoint,

@@ -27,6 +27,7 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+
 from workers.broker_metrics import PoolCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -181,7 +181,8 @@ def parse_chat(body: Any) -> ParsedRequest:
         if role not in CHAT_ROLES:
             raise BadRequest(f"{where}.role must be one of {sorted(CHAT_ROLES)}",
                              param=f"{where}.role")
-        chat.append({"role": role, "content": _content_text(message.get("content"), where)})
+        content = _content_text(message.get("content"), where)
+        chat.append({"role": role, "content": content})
     if body.get("tools") or body.get("functions"):
         raise BadRequest("tool calling is not supported", param="tools")
     if body.get("logprobs"):

@@ -45,7 +45,8 @@ class PromptGate:
         try:
             tokens, stops = self._prompts().tokens(generation)
         except PromptError as exc:
-            raise BadRequest(f"cannot render messages: {exc}", param="messages") from None
+            raise BadRequest(f"cannot render messages: {exc}",
+                             param="messages") from None
         if len(tokens) >= self.n_ctx:
             param = "messages" if generation["kind"] == "chat" else "prompt"
             raise BadRequest(

@@ -73,7 +73,8 @@ class Proc:
         except subprocess.TimeoutExpired:
             os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait()
-            raise AssertionError(f"{self.name} hung on SIGTERM; log: {self.log()}")
+            raise AssertionError(
+                f"{self.name} hung on SIGTERM; log: {self.log()}") from None
         finally:
             self.log_file.close()
         return code

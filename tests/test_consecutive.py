@@ -82,7 +82,8 @@ def test_300_mixed_requests_on_one_worker(one_worker_pool):
                                json={**body, "stream": True,
                                      "stream_options": {"include_usage": True}}) as r:
                 assert r.status_code == 200
-                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+                events = [line[6:] for line in r.iter_lines()
+                          if line.startswith("data: ")]
             assert events[-1] == "[DONE]", (i, events[-3:])
             final = json.loads(events[-3])
             usage = json.loads(events[-2])["usage"]

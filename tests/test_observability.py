@@ -201,7 +201,8 @@ def test_request_id_round_trip(opool):
 
 
 def test_logs_are_json_lines_without_secrets_or_prompts(opool):
-    httpx.post(opool.url + "/v1/completions", headers={**AUTH, "X-Request-Id": "logtest-1"},
+    httpx.post(opool.url + "/v1/completions",
+               headers={**AUTH, "X-Request-Id": "logtest-1"},
                json={"prompt": SECRET_PROMPT, "max_tokens": 3})
     httpx.post(opool.url + "/v1/completions",
                headers={"X-Api-Key": "wrong-" + KEY, "X-Request-Id": "logtest-2"},
@@ -279,8 +280,9 @@ def test_broker_and_worker_serve_their_own_metrics(tiny_model, tmp_path):
                 return None
             return text if needle in text else None
 
-        text = wait_until(lambda: scrape_port(broker_port, "llamapool_slots_registered 1"),
-                          30, "the broker to export one registered slot")
+        text = wait_until(
+            lambda: scrape_port(broker_port, "llamapool_slots_registered 1"),
+            30, "the broker to export one registered slot")
         assert "llama_tokens_generated_total" in text
         text = wait_until(lambda: scrape_port(worker_port, "llamapool_worker_loaded 1"),
                           30, "the worker to export loaded=1")

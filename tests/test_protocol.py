@@ -26,7 +26,8 @@ def sample(cls):
     })
 
 
-@pytest.mark.parametrize("cls", messages.all_message_classes(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", messages.all_message_classes(),
+                         ids=lambda c: c.__name__)
 def test_every_message_round_trips(cls):
     msg = sample(cls)
     frames = msg.to_wire()

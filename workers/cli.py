@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_liveness_flags(up)
 
     broker = sub.add_parser("broker", help="the broker alone")
-    broker.add_argument("--frontends", required=True, help="endpoint to bind for frontends")
+    broker.add_argument("--frontends", required=True,
+                        help="endpoint to bind for frontends")
     broker.add_argument("--workers", required=True, help="endpoint to bind for workers")
     broker.add_argument("--metrics-port", type=int, default=None,
                         help="serve the broker's own /metrics on this port")

@@ -14,6 +14,7 @@ import os
 import time
 
 import llama_cpp
+
 from workers import kv_cache
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import GenerationResult, JobSink, RequestRejected

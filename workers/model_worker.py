@@ -24,10 +24,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import zmq
-
-from collections.abc import Callable
 
 from protocol import messages, timing
 from protocol.curve import ClientKeys
@@ -285,13 +284,15 @@ class ModelWorker:
                     job = self._forward_outbox(inbox, dealer, job)
                 if dealer in ready:
                     last_heard = time.monotonic()
-                    job, registered = self._drain_broker(dealer, outbox, job, registered)
+                    job, registered = self._drain_broker(
+                        dealer, outbox, job, registered)
                     if registered:
                         # READY went out and the broker answered: we serve.
                         self._sd.ready(f"registered with {s.broker_endpoint}")
                 now = time.monotonic()
                 if now - last_heard > s.heartbeat_interval_s * s.heartbeat_liveness:
-                    log.warning("broker silent for %.1fs; reconnecting", now - last_heard)
+                    log.warning("broker silent for %.1fs; reconnecting",
+                                now - last_heard)
                     poller.unregister(dealer)
                     dealer.close(linger=0)
                     dealer = self._new_dealer()
