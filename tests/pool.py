@@ -8,6 +8,7 @@ deadline, never by sleeping a fixed time.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -25,6 +26,12 @@ from protocol import messages
 STOP_TIMEOUT_S = 20.0
 #: Fast liveness for tests: a dead peer is noticed within about 0.6 s.
 TEST_HEARTBEAT = ["--heartbeat-interval-s", "0.2", "--heartbeat-liveness", "3"]
+
+
+def _die_with_parent() -> None:
+    """If pytest itself is killed, its children must not linger."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -54,7 +61,7 @@ class Proc:
         self.log_file = open(self.log_path, "ab")
         self.popen = subprocess.Popen(
             argv, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=_die_with_parent,
         )
 
     @property
