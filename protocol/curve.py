@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
 import os
+import threading
 from urllib.parse import urlsplit
 
 import zmq
 import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
+
+log = logging.getLogger("llamapool.curve")
 
 #: The ZAP domain the broker's sockets use; the authenticator answers for it.
 ZAP_DOMAIN = "llamapool"
@@ -92,15 +97,69 @@ class ClientKeys:
     ) -> ClientKeys:
         return cls(load_public_key(server_key_file), *load_key_pair(secret_file))
 
-    def apply(self, sock: zmq.Socket) -> None:
-        """Make ``sock`` a CURVE client of the broker (call before ``connect``)."""
+    def apply(self, sock: zmq.Socket, watch: bool = True) -> None:
+        """Make ``sock`` a CURVE client of the broker (call before ``connect``).
+
+        With ``watch``, a refused handshake is logged (see ``watch_handshakes``).
+        """
         sock.setsockopt(zmq.CURVE_SERVERKEY, self.server_public)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+        if watch:
+            watch_handshakes(sock, self.public)
 
     def __repr__(self) -> str:
         return (f"ClientKeys(server_public={self.server_public.decode()!r}, "
                 f"public={self.public.decode()!r})")
+
+
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_MONITOR_STOPPED
+)
+
+
+def watch_handshakes(sock: zmq.Socket, public: bytes) -> threading.Thread:
+    """Log, from a side thread, when the broker refuses this socket's handshake.
+
+    Without this a refused peer is silent: libzmq drops a connection whose
+    ZAP check failed and never retries it, so the peer just hears nothing.
+    The thread ends when ``sock`` is closed.
+    """
+    monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+    key = public.decode()
+
+    def loop() -> None:
+        failures = 0
+        try:
+            while True:
+                event = recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                failures += 1
+                if failures > 3 and failures % 100:
+                    continue  # a wrong server key retries every 100 ms
+                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    log.error(
+                        "the broker refused this peer's CURVE public key %s: add "
+                        "its .key file to the broker's authorized directory", key
+                    )
+                else:
+                    log.error(
+                        "CURVE handshake with the broker failed (#%d): is the "
+                        "broker's public key (--curve-server-key) right, and "
+                        "does the broker run with CURVE?", failures
+                    )
+        except zmq.ZMQError:
+            return  # the context is being terminated
+        finally:
+            monitor.close(linger=0)
+
+    thread = threading.Thread(target=loop, name="curve-handshakes", daemon=True)
+    thread.start()
+    return thread
 
 
 def client_keys(server_key_file: str, secret_file: str) -> ClientKeys | None:

@@ -172,7 +172,8 @@ def test_unlisted_key_is_refused_and_counted(tmp_path, keys, tiny_model):
         wait_until(lambda: "model loaded" in rogue_worker.log(), 60,
                    "the rogue worker to load")
         # A rogue frontend: it knows the broker's public key, not a listed key.
-        client_keys(rogue_keys, "frontend", pool_keys).apply(rogue)
+        # (Our own monitor below, so no watcher thread on this socket.)
+        client_keys(rogue_keys, "frontend", pool_keys).apply(rogue, watch=False)
         rogue.setsockopt(zmq.LINGER, 0)
         monitor = rogue.get_monitor_socket()
         monitor.setsockopt(zmq.LINGER, 0)
@@ -199,6 +200,9 @@ def test_unlisted_key_is_refused_and_counted(tmp_path, keys, tiny_model):
         assert snap["counters"].get("submitted", 0) == 0
         assert snap["frontends"] == 0  # the rogue HELLO never arrived
         assert "worker registered" not in rogue_worker.log()
+        # The refused worker says why, instead of waiting in silence.
+        wait_until(lambda: "refused this peer's CURVE public key"
+                   in rogue_worker.log(), 10, "the rogue worker's error line")
         print(f"\ncurve_refused={snap['counters']['curve_refused']}")
     finally:
         if monitor is not None:
