@@ -72,6 +72,9 @@ class PoolCollector:
         yield counter("llamapool_broker_malformed_frames_dropped_total",
                       "Malformed ZeroMQ messages the broker dropped",
                       counters.get("malformed_dropped", 0))
+        yield counter("llamapool_broker_curve_refused_total",
+                      "Peers refused at the CURVE handshake (key not authorized)",
+                      counters.get("curve_refused", 0))
         release = stats["cancel_release_s"]
         buckets = [(str(b), c) for b, c in zip(release["buckets"],
                                                release["cumulative"])]

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 import zmq
@@ -149,7 +150,9 @@ def test_unlisted_key_is_refused_and_counted(tmp_path, keys, tiny_model):
     pool_keys, rogue_keys = keys
     frontends = f"tcp://127.0.0.1:{free_port()}"
     workers = f"tcp://127.0.0.1:{free_port()}"
-    broker = Proc("broker", broker_argv(pool_keys, frontends, workers), tmp_path)
+    metrics_port = free_port()
+    broker = Proc("broker", [*broker_argv(pool_keys, frontends, workers),
+                             "--metrics-port", str(metrics_port)], tmp_path)
     worker = Proc("worker", worker_argv(pool_keys, pool_keys, workers, tiny_model),
                   tmp_path)
     # A worker with a well-formed key pair that is not in authorized/.
@@ -204,6 +207,13 @@ def test_unlisted_key_is_refused_and_counted(tmp_path, keys, tiny_model):
         wait_until(lambda: "refused this peer's CURVE public key"
                    in rogue_worker.log(), 10, "the rogue worker's error line")
         print(f"\ncurve_refused={snap['counters']['curve_refused']}")
+
+        def exported():
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            text = httpx.get(url, timeout=2).text
+            return "llamapool_broker_curve_refused_total 2.0" in text
+
+        wait_until(exported, 10, "curve_refused in the broker's /metrics")
     finally:
         if monitor is not None:
             rogue.disable_monitor()
