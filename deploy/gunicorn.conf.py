@@ -72,10 +72,14 @@ def when_ready(server):
 
     from workers.sd_notify import Notifier
 
+    def checked_in(worker) -> bool:
+        try:  # the same test as Arbiter.murder_workers
+            return time.monotonic() - worker.tmp.last_update() <= server.timeout
+        except (OSError, ValueError):
+            return False  # its heartbeat file is closing: it is exiting
+
     def serving() -> bool:
-        now = time.monotonic()
-        return any(now - w.tmp.last_update() <= server.timeout
-                   for w in list(server.WORKERS.values()))
+        return any(checked_in(w) for w in list(server.WORKERS.values()))
 
     Notifier().start_watchdog_thread(serving)
 

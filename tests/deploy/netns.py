@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import os
+import secrets
 import subprocess
 from pathlib import Path
 
@@ -83,7 +84,7 @@ class Lan:
     SUBNET = "10.231.0"
 
     def __init__(self) -> None:
-        self.tag = f"lp{os.getpid() % 10000}"
+        self.tag = f"lp{secrets.token_hex(2)}"  # unique per run, short for ifnames
         self.switch = f"{self.tag}-sw"
         self.hosts: dict[str, Host] = {}
         self._namespaces: list[str] = []
