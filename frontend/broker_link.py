@@ -43,6 +43,8 @@ class JobStream:
 
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
+        #: Set by the I/O thread when the broker's ACCEPTED arrives.
+        self.accepted = False
         self._frames: queue.SimpleQueue[messages.Message] = queue.SimpleQueue()
 
     def put(self, msg: messages.Message) -> None:
@@ -222,19 +224,26 @@ class BrokerLink:
             if isinstance(msg, _JOB_MESSAGES):
                 stream = self._streams.get(msg.job_id)
                 if stream is not None:
+                    if isinstance(msg, messages.Accepted):
+                        stream.accepted = True
                     stream.put(msg)
             elif isinstance(msg, messages.StatusReply):
                 waiter = self._status_waiters.get(msg.request_id)
                 if waiter is not None:
                     waiter.put(msg.snapshot)
             elif isinstance(msg, messages.Disconnect):
-                # The broker restarted and forgot us: our jobs are gone too.
+                # The broker restarted and forgot us: the jobs it had accepted
+                # are gone too. A SUBMIT not yet answered is not: frames are
+                # ordered, so its answer (from the new broker, which registers
+                # us on SUBMIT) still comes after this DISCONNECT.
                 log.warning("broker says %r; registering again", msg.reason)
-                self._fail_all("broker_restarted", "the broker restarted")
+                self._fail_all("broker_restarted", "the broker restarted",
+                               accepted_only=True)
                 dealer.send_multipart(
                     messages.Hello(os.getpid(), socket.gethostname()).to_wire()
                 )
 
-    def _fail_all(self, code: str, message: str) -> None:
+    def _fail_all(self, code: str, message: str, accepted_only: bool = False) -> None:
         for job_id, stream in list(self._streams.items()):
-            stream.put(messages.Error(job_id, code, message, 503))
+            if stream.accepted or not accepted_only:
+                stream.put(messages.Error(job_id, code, message, 503))

@@ -206,8 +206,14 @@ class Broker:
             log.info("frontend registered: pid=%d host=%s", msg.pid, msg.host)
         elif isinstance(msg, messages.Submit):
             if not known:
-                # A fresh request carries no stale state; register implicitly
-                # so the first request after a broker restart is not refused.
+                # Serve it (refusing the first request after a broker restart
+                # helps nobody), but first say DISCONNECT: this frontend may
+                # still wait on jobs a previous broker accepted, and must fail
+                # them. Frames are ordered, so the DISCONNECT arrives before
+                # this job's ACCEPTED, and the frontend fails only jobs
+                # accepted before it.
+                self.counters["unknown_peer"] += 1
+                self._to_frontend(ident, messages.Disconnect("unknown frontend"))
                 self.ledger.register_frontend(ident, now)
             self._on_submit(ident, msg, raw, now)
         elif isinstance(msg, messages.Status):
@@ -283,6 +289,9 @@ class Broker:
                 self._deaths_by_host[msg.host] -= 1
                 self.counters["worker_restarts"] += 1
             slot, orphan = self.ledger.register_worker(ident, msg, now)
+            # Acknowledge at once: the worker ignores DISCONNECTs until it
+            # hears from us after READY (they answer older messages).
+            self._to_worker(ident, messages.Heartbeat())
             if orphan is not None:
                 self.stats.job_lost()
                 self._fail_job(orphan, "worker_restarted", "worker re-registered")

@@ -51,6 +51,9 @@ class WorkerSettings:
     curve: ClientKeys | None = None
 
 
+_NONE, _SENT, _CONFIRMED = "none", "sent", "confirmed"
+
+
 class EngineLoadError(RuntimeError):
     """The model (engine) could not be loaded; the worker cannot serve."""
 
@@ -255,7 +258,13 @@ class ModelWorker:
         poller.register(dealer, zmq.POLLIN)
         poller.register(inbox, zmq.POLLIN)
         job: ActiveJob | None = None  # the job the broker believes we run
-        registered = False
+        # Registration: NONE -> (READY sent) SENT -> (broker answered) CONFIRMED.
+        # While SENT, a DISCONNECT is stale: the broker sent it in answer to
+        # something we sent before READY (frames are ordered both ways), so
+        # obeying it would register us twice and orphan the job the broker
+        # may already have given us.
+        registration = _NONE
+        ready_sent_at = 0.0
         last_heard = time.monotonic()
         next_beat = 0.0
         grace_deadline = None
@@ -263,10 +272,14 @@ class ModelWorker:
         try:
             while True:
                 now = time.monotonic()
-                if (not registered and job is None and self.engine is not None
-                        and not stop.is_set()):
+                if registration == _SENT and (
+                        now - ready_sent_at > s.heartbeat_interval_s
+                        * s.heartbeat_liveness):
+                    registration = _NONE  # READY went to a broker that died
+                if (registration == _NONE and job is None
+                        and self.engine is not None and not stop.is_set()):
                     dealer.send_multipart(self._ready_message().to_wire())
-                    registered = True
+                    registration, ready_sent_at = _SENT, now
                     log.info("worker %s sent READY", self.name)
                 if stop.is_set() and grace_deadline is None:
                     grace_deadline = now + s.shutdown_grace_s
@@ -284,9 +297,9 @@ class ModelWorker:
                     job = self._forward_outbox(inbox, dealer, job)
                 if dealer in ready:
                     last_heard = time.monotonic()
-                    job, registered = self._drain_broker(
-                        dealer, outbox, job, registered)
-                    if registered:
+                    job, registration = self._drain_broker(
+                        dealer, outbox, job, registration)
+                    if registration == _CONFIRMED:
                         # READY went out and the broker answered: we serve.
                         self._sd.ready(f"registered with {s.broker_endpoint}")
                 now = time.monotonic()
@@ -297,7 +310,7 @@ class ModelWorker:
                     dealer.close(linger=0)
                     dealer = self._new_dealer()
                     poller.register(dealer, zmq.POLLIN)
-                    registered = False
+                    registration = _NONE
                     last_heard = now
                     if job is not None:
                         job.orphaned = True
@@ -329,18 +342,21 @@ class ModelWorker:
             if terminal:
                 job = None
 
-    def _drain_broker(self, dealer, outbox, job: ActiveJob | None, registered: bool):
+    def _drain_broker(self, dealer, outbox, job: ActiveJob | None,
+                      registration: str):
         while True:
             try:
                 frames = dealer.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return job, registered
+                return job, registration
             try:
                 msg = messages.decode(frames)
             except messages.MalformedMessage as exc:
                 self.malformed_dropped += 1
                 log.warning("dropped malformed message from broker: %s", exc)
                 continue
+            if registration == _SENT and not isinstance(msg, messages.Disconnect):
+                registration = _CONFIRMED  # the broker knows us since READY
             if isinstance(msg, messages.Submit):
                 if job is not None:
                     # The broker thinks we are idle while we are not; refuse
@@ -359,8 +375,10 @@ class ModelWorker:
                 if job is not None and job.job_id == msg.job_id:
                     job.add_credit(msg.frames)
             elif isinstance(msg, messages.Disconnect):
+                if registration == _SENT:
+                    continue  # stale: see _io_loop
                 log.warning("broker says %r; registering again", msg.reason)
-                registered = False
+                registration = _NONE
                 if job is not None:
                     job.orphaned = True
                     job.cancel()

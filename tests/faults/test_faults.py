@@ -21,7 +21,7 @@ import zmq
 
 from protocol import messages
 from tests.faults.conftest import figures
-from tests.pool import wait_until
+from tests.pool import BrokerProbe, wait_until
 from tests.test_slot_paths import LONG, RawStream, wait_paused
 
 pytestmark = pytest.mark.stack
@@ -129,7 +129,7 @@ def test_200_clients_disconnect_at_random_points(fault_pool):
     rng = random.Random(7)
     results: list[str] = []
     for _batch in range(50):
-        threads = [threading.Thread(target=_client_that_disconnects,
+        threads = [threading.Thread(target=_client_that_disconnects, daemon=True,
                                     args=(pool.port, random.Random(rng.random()),
                                           results)) for _ in range(4)]
         for t in threads:
@@ -204,26 +204,29 @@ def test_broker_restart_under_load(fault_pool):
     streams = [RawStream(pool.port, LONG) for _ in range(2)]
     for s in streams:
         wait_paused(pool, int(s.header("X-Slot-Id")))
-    requester = threading.Thread(target=keep_requesting)
+    requester = threading.Thread(target=keep_requesting, daemon=True)
     requester.start()
-    fault_at = time.monotonic()
-    pool.restart_broker(kill=True)
-    fig.faults += 1
-    for s in streams:
-        data = s.read_to_end()
-        s.close()
-        if not error_events(data):
-            fig.unexpected_failures += 1
-    pool.probe.close()
-    from tests.pool import BrokerProbe
-
-    pool.probe = BrokerProbe(pool.frontends_ep)
-    record_recovery(pool, fig, fault_at)
-    # New requests succeed again once workers have re-registered.
-    n_before = len(outcomes)
-    wait_until(lambda: 200 in outcomes[n_before:], 30, "a request to succeed again")
-    stop.set()
-    requester.join(timeout=30)
+    try:
+        fault_at = time.monotonic()
+        pool.restart_broker(kill=True)
+        fig.faults += 1
+        for s in streams:
+            data = s.read_to_end()
+            s.close()
+            if not error_events(data):
+                fig.unexpected_failures += 1
+        pool.probe.close()
+        pool.probe = BrokerProbe(pool.frontends_ep)
+        record_recovery(pool, fig, fault_at)
+        # New requests succeed again once workers have re-registered.
+        n_before = len(outcomes)
+        wait_until(lambda: 200 in outcomes[n_before:], 30,
+                   "a request to succeed again")
+    finally:
+        # Always stop the client thread: a failure above must not leave it
+        # spinning (and pytest waiting for it).
+        stop.set()
+        requester.join(timeout=30)
     # During the outage requests got 503 (no slot/broker) — the injected fault;
     # anything else (a 500, a dropped connection) is a failure.
     fig.unexpected_failures += sum(1 for c in outcomes if c not in (200, 503))
