@@ -116,13 +116,24 @@ def test_counters_move_by_exact_amounts(opool):
 
 
 def test_exact_token_counts_without_cancels(opool):
+    """Every llama_* counter moves by exactly what the responses report."""
     before = scrape(opool)
+    timings = []
     for n in (3, 5):
-        httpx.post(opool.url + "/v1/completions", headers=AUTH,
-                   json={"prompt": "Hi there", "max_tokens": n, "ignore_eos": True})
+        r = httpx.post(opool.url + "/v1/completions", headers=AUTH,
+                       json={"prompt": f"Hi there {n}", "max_tokens": n,
+                             "ignore_eos": True})
+        timings.append(r.json()["timings"])
     after = scrape(opool)
     assert delta(before, after, "llama_tokens_generated_total") == 8
     assert delta(before, after, "llama_request_success_total") == 2
+    assert delta(before, after, "llama_request_fail_total") == 0
+    assert delta(before, after, "llama_prompt_tokens_total") == sum(
+        t["prompt_n"] for t in timings)
+    assert abs(delta(before, after, "llama_prompt_seconds_total")
+               - sum(t["prompt_ms"] for t in timings) / 1000) < 1e-6
+    assert abs(delta(before, after, "llama_tokens_seconds_total")
+               - sum(t["predicted_ms"] for t in timings) / 1000) < 1e-6
 
 
 def test_worker_death_restart_and_fail_counters(opool):

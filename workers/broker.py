@@ -288,6 +288,7 @@ class Broker:
             if self._deaths_by_host[msg.host] > 0:
                 self._deaths_by_host[msg.host] -= 1
                 self.counters["worker_restarts"] += 1
+                log.info("worker restarted on host %s (pid %d)", msg.host, msg.pid)
             slot, orphan = self.ledger.register_worker(ident, msg, now)
             # Acknowledge at once: the worker ignores DISCONNECTs until it
             # hears from us after READY (they answer older messages).
