@@ -140,12 +140,30 @@ class GenerationResource:
         )
 
 
-class ModelsResource:
-    """``GET /v1/models``: the models the live workers serve."""
+class LedgerView:
+    """Base for responders that show the broker's ledger.
+
+    One STATUS round trip, never longer than ``health_timeout_s``: under load
+    a health check must stay cheap and bounded (llama.cpp once had to move busy
+    state out of ``/health`` because checks timed out).
+    """
 
     def __init__(self, link: BrokerLink, settings: FrontendSettings):
         self.link = link
         self.settings = settings
+
+    def ledger(self, resp: falcon.Response) -> dict | None:
+        """The broker's snapshot, or None after answering 503 for it."""
+        status = self.link.status(self.settings.health_timeout_s)
+        if status is None:
+            resp.status = 503
+            resp.media = {"error": {"code": 503, "message": "broker unreachable",
+                                    "type": "unavailable_error"}}
+        return status
+
+
+class ModelsResource(LedgerView):
+    """``GET /v1/models``: the models the live workers serve."""
 
     def on_get(self, req, resp) -> None:
         status = self.link.status(self.settings.health_timeout_s) or {"slots": []}
@@ -166,19 +184,12 @@ class ModelsResource:
         resp.media = {"object": "list", "data": list(models.values())}
 
 
-class HealthResource:
-    """``GET /health``: cheap, bounded by ``health_timeout_s``."""
-
-    def __init__(self, link: BrokerLink, settings: FrontendSettings):
-        self.link = link
-        self.settings = settings
+class HealthResource(LedgerView):
+    """``GET /health``: 200 once a worker is loaded, 503 while none is."""
 
     def on_get(self, req, resp) -> None:
-        status = self.link.status(self.settings.health_timeout_s)
+        status = self.ledger(resp)
         if status is None:
-            resp.status = 503
-            resp.media = {"error": {"code": 503, "message": "broker unreachable",
-                                    "type": "unavailable_error"}}
             return
         if status["slots_total"] == 0:
             resp.status = 503
@@ -192,12 +203,11 @@ class HealthResource:
         }
 
 
-class MetricsResource:
-    """``GET /metrics``: Prometheus text, this host's and the pool's."""
+class MetricsResource(LedgerView):
+    """``GET /metrics``: Prometheus text, this host's and the pool's.
 
-    def __init__(self, link: BrokerLink, settings: FrontendSettings):
-        self.link = link
-        self.settings = settings
+    Without the broker it still answers 200 with this host's own series.
+    """
 
     def on_get(self, req, resp) -> None:
         snapshot = self.link.status(self.settings.health_timeout_s)
@@ -205,19 +215,16 @@ class MetricsResource:
         resp.content_type = metrics.CONTENT_TYPE
 
 
-class SlotsResource:
-    """``GET /slots``: every slot in the pool, from the broker's ledger."""
+class SlotsResource(LedgerView):
+    """``GET /slots``: every slot in the pool, from the broker's ledger.
 
-    def __init__(self, link: BrokerLink, settings: FrontendSettings):
-        self.link = link
-        self.settings = settings
+    Progress fields come with the workers' heartbeats, so they lag by up to
+    one heartbeat interval.
+    """
 
     def on_get(self, req, resp) -> None:
-        status = self.link.status(self.settings.health_timeout_s)
+        status = self.ledger(resp)
         if status is None:
-            resp.status = 503
-            resp.media = {"error": {"code": 503, "message": "broker unreachable",
-                                    "type": "unavailable_error"}}
             return
         resp.media = [public_slot(slot) for slot in status["slots"]]
 

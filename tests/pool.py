@@ -108,12 +108,19 @@ def cli(*args: str) -> list[str]:
 
 
 class BrokerProbe:
-    """Asks the broker for its ledger over the real frontend socket."""
+    """Asks the broker for its ledger over the real frontend socket.
 
-    def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.Context()
+    ``keys`` (``protocol.curve.ClientKeys``) makes it an authorized CURVE
+    client, for brokers that require one.
+    """
+
+    def __init__(self, endpoint: str, keys=None, ctx: zmq.Context | None = None):
+        self.ctx = ctx or zmq.Context()
+        self._own_ctx = ctx is None
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            keys.apply(self.sock)
         self.sock.connect(endpoint)
 
     def status(self, timeout_s: float = 2.0) -> dict | None:
@@ -130,7 +137,8 @@ class BrokerProbe:
 
     def close(self) -> None:
         self.sock.close(0)
-        self.ctx.term()
+        if self._own_ctx:
+            self.ctx.term()
 
 
 class Pool:

@@ -14,13 +14,11 @@ import struct
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-import zmq
 
-from protocol import curve, messages
+from tests.pool import BrokerProbe
 
 
 def unavailable(reason: str):
@@ -110,32 +108,6 @@ def keygen(directory: Path, *clients: str) -> Path:
     return directory
 
 
-class CurveProbe:
-    """Asks the broker for its ledger over CURVE, as an authorized frontend."""
+#: A BrokerProbe that speaks CURVE (pass the client keys).
+CurveProbe = BrokerProbe
 
-    def __init__(self, endpoint: str, keys: curve.ClientKeys | None,
-                 ctx: zmq.Context | None = None) -> None:
-        self.ctx = ctx or zmq.Context()
-        self._own_ctx = ctx is None
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if keys is not None:
-            keys.apply(self.sock)
-        self.sock.connect(endpoint)
-
-    def status(self, timeout_s: float = 2.0) -> dict | None:
-        request_id = uuid.uuid4().hex
-        self.sock.send_multipart(messages.Status(request_id).to_wire())
-        deadline = time.monotonic() + timeout_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            if not self.sock.poll(remaining * 1000):
-                return None
-            msg = messages.decode(self.sock.recv_multipart())
-            if isinstance(msg, messages.StatusReply) and msg.request_id == request_id:
-                return msg.snapshot
-        return None
-
-    def close(self) -> None:
-        self.sock.close(0)
-        if self._own_ctx:
-            self.ctx.term()
