@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from workers.stop_strings import StopStringFilter
+
 
 class RequestRejected(Exception):
     """The request cannot run (e.g. prompt longer than the context).
@@ -23,6 +25,51 @@ class RequestRejected(Exception):
         self.code = code
         self.message = message
         self.status = status
+
+
+def token_budget(n_prompt: int, n_ctx: int, asked: int | None) -> int:
+    """Tokens a request may generate; refuses a prompt that fills the context.
+
+    An over-long ``max_tokens`` is clamped to the room left (finish "length"),
+    as llama-cpp-python does; ``None`` means "until the context is full".
+    """
+    if n_prompt >= n_ctx:
+        raise RequestRejected(
+            "context_length_exceeded",
+            f"the prompt is {n_prompt} tokens; the context holds {n_ctx}",
+        )
+    room = n_ctx - n_prompt
+    return room if asked is None else min(asked, room)
+
+
+class TokenOutput:
+    """The output side of a generation loop, shared by every engine.
+
+    Each new token's text goes through the stop-string filter; what is safe to
+    show waits for credit and goes out as one frame covering every token since
+    the last frame sent.
+    """
+
+    def __init__(self, sink: JobSink, stops: list[str]) -> None:
+        self.sink = sink
+        self.stopper = StopStringFilter([s for s in stops if isinstance(s, str)])
+        self._unsent_tokens = 0
+
+    def push(self, text: str) -> str | None:
+        """Account one token; return a finish reason if generation must end."""
+        self._unsent_tokens += 1
+        text = self.stopper.push(text)
+        if text:
+            if not self.sink.wait_for_credit():
+                return "cancelled"
+            self.sink.emit(text, self._unsent_tokens)
+            self._unsent_tokens = 0
+        return "stop" if self.stopper.stopped else None
+
+    def tail(self, last_text: str = "") -> str:
+        """Text held back until the end (a stop-string prefix that never
+        completed, plus ``last_text``)."""
+        return self.stopper.push(last_text) + self.stopper.flush()
 
 
 class JobSink(Protocol):

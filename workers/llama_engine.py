@@ -17,9 +17,14 @@ import llama_cpp
 
 from workers import kv_cache
 from workers.detokenizer import IncrementalDetokenizer
-from workers.engine import GenerationResult, JobSink, RequestRejected
+from workers.engine import (
+    GenerationResult,
+    JobSink,
+    RequestRejected,
+    TokenOutput,
+    token_budget,
+)
 from workers.prompting import PromptBuilder, PromptError
-from workers.stop_strings import StopStringFilter
 
 log = logging.getLogger("llamapool.worker")
 
@@ -92,15 +97,7 @@ class LlamaEngine:
     def run(self, request: dict, sink: JobSink) -> GenerationResult:
         started = time.perf_counter()
         prompt, extra_stops = self._prompt_tokens(request)
-        if len(prompt) >= self.n_ctx:
-            raise RequestRejected(
-                "context_length_exceeded",
-                f"the prompt is {len(prompt)} tokens; the context holds "
-                f"{self.n_ctx}",
-            )
-        room = self.n_ctx - len(prompt)
-        asked = request.get("max_tokens")
-        max_tokens = room if asked is None else min(asked, room)
+        max_tokens = token_budget(len(prompt), self.n_ctx, request.get("max_tokens"))
 
         seed = request.get("seed")
         self.llama.set_seed(llama_cpp.LLAMA_DEFAULT_SEED if seed is None else seed)
@@ -110,9 +107,8 @@ class LlamaEngine:
             logits_processor = llama_cpp.LogitsProcessorList([self._ban_eog])
 
         detok = IncrementalDetokenizer(self._vocab)
-        stopper = StopStringFilter(list(request.get("stop") or []) + extra_stops)
+        output = TokenOutput(sink, list(request.get("stop") or []) + extra_stops)
         n_generated = 0
-        unsent_tokens = 0
         first_token_at = None
         finish = "length"
         tokens = self.llama.generate(
@@ -139,16 +135,9 @@ class LlamaEngine:
                     finish = "stop"
                     break
                 n_generated += 1
-                unsent_tokens += 1
-                text = stopper.push(detok.push(token))
-                if text:
-                    if not sink.wait_for_credit():
-                        finish = "cancelled"
-                        break
-                    sink.emit(text, unsent_tokens)
-                    unsent_tokens = 0
-                if stopper.stopped:
-                    finish = "stop"
+                ended_by = output.push(detok.push(token))
+                if ended_by is not None:
+                    finish = ended_by
                     break
                 elapsed = now - first_token_at
                 sink.report_progress(
@@ -170,8 +159,7 @@ class LlamaEngine:
             tokens.close()
         ended = time.perf_counter()
         first_token_at = first_token_at or ended
-        tail = "" if finish == "cancelled" else stopper.push(detok.flush())
-        tail += "" if finish == "cancelled" else stopper.flush()
+        tail = "" if finish == "cancelled" else output.tail(detok.flush())
         return GenerationResult(
             finish_reason=finish,
             prompt_tokens=len(prompt),

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import time
 
-from workers.engine import GenerationResult, JobSink, RequestRejected
-from workers.stop_strings import StopStringFilter
+from workers.engine import GenerationResult, JobSink, TokenOutput, token_budget
 
 DEFAULT_TOKENS_PER_SECOND = 50.0
 
@@ -65,22 +64,12 @@ class SyntheticEngine:
     def run(self, request: dict, sink: JobSink) -> GenerationResult:
         started = time.perf_counter()
         n_prompt = count_prompt_tokens(request)
-        if n_prompt >= self.n_ctx:
-            raise RequestRejected(
-                "context_length_exceeded",
-                f"the prompt is {n_prompt} tokens; the context holds {self.n_ctx}",
-            )
-        room = self.n_ctx - n_prompt
-        asked = request.get("max_tokens")
-        max_tokens = room if asked is None else min(asked, room)
-        stops = list(request.get("stop") or []) + list(
-            request.get("extra_stops") or []
-        )
-        stopper = StopStringFilter([s for s in stops if isinstance(s, str)])
+        max_tokens = token_budget(n_prompt, self.n_ctx, request.get("max_tokens"))
+        output = TokenOutput(sink, list(request.get("stop") or [])
+                             + list(request.get("extra_stops") or []))
         interval_s = 1.0 / self.tokens_per_second
 
         n_generated = 0
-        unsent_tokens = 0
         finish = "length"
         while n_generated < max_tokens:
             # Pace against the start, not the previous token, so the rate
@@ -90,16 +79,9 @@ class SyntheticEngine:
             if delay > 0:
                 time.sleep(delay)
             n_generated += 1
-            unsent_tokens += 1
-            text = stopper.push(token_text(n_generated - 1))
-            if text:
-                if not sink.wait_for_credit():
-                    finish = "cancelled"
-                    break
-                sink.emit(text, unsent_tokens)
-                unsent_tokens = 0
-            if stopper.stopped:
-                finish = "stop"
+            ended_by = output.push(token_text(n_generated - 1))
+            if ended_by is not None:
+                finish = ended_by
                 break
             elapsed = time.perf_counter() - started
             sink.report_progress(
@@ -119,5 +101,5 @@ class SyntheticEngine:
             cached_tokens=0,
             prompt_ms=first_token_s * 1000,
             predicted_ms=(ended - started - first_token_s) * 1000,
-            tail_text="" if finish == "cancelled" else stopper.flush(),
+            tail_text="" if finish == "cancelled" else output.tail(),
         )
