@@ -18,6 +18,10 @@ RELEASE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
                      2.5, 5.0, 10.0)
 
 
+#: Newest observations kept for p50/max and per-run figures.
+RECENT_WINDOW = 256
+
+
 class FixedHistogram:
     """A Prometheus-style cumulative histogram that msgpack can carry."""
 
@@ -26,7 +30,10 @@ class FixedHistogram:
         self.counts = [0] * (len(buckets) + 1)  # last one is +Inf
         self.sum = 0.0
         self.count = 0
-        self.recent: collections.deque[float] = collections.deque(maxlen=4096)
+        # Every STATUS reply (each /health, /slots, /metrics) sorts these in
+        # the broker's only thread, so keep the window small.
+        self.recent: collections.deque[float] = collections.deque(
+            maxlen=RECENT_WINDOW)
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
@@ -48,7 +55,7 @@ class FixedHistogram:
             "p50": recent[len(recent) // 2] if recent else None,
             "max": recent[-1] if recent else None,
             # The newest observations in arrival order (for per-run figures).
-            "recent": list(self.recent)[-256:],
+            "recent": list(self.recent),
         }
 
 
