@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 
@@ -14,7 +13,8 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.pool import Pool, Proc, cli, free_port, wait_until
-from tests.test_slot_paths import LONG, RawStream, wait_paused
+from tests.system_tools import require_tool
+from tests.test_slot_paths import LONG, RawStream, hold_slot, wait_paused
 
 pytestmark = pytest.mark.stack
 
@@ -138,9 +138,7 @@ def test_exact_token_counts_without_cancels(opool):
 
 def test_worker_death_restart_and_fail_counters(opool):
     before = scrape(opool)
-    stream = RawStream(opool.port, LONG, headers=AUTH)
-    slot_id = int(stream.header("X-Slot-Id"))
-    wait_paused(opool, slot_id)
+    stream, slot_id = hold_slot(opool, headers=AUTH)
     pid = next(s["pid"] for s in opool.status()["slots"] if s["id"] == slot_id)
     os.kill(pid, signal.SIGKILL)
     victim = next(w for w in opool.workers if w.pid == pid)
@@ -171,11 +169,7 @@ def test_malformed_frames_are_counted(opool):
 
 
 def test_promtool_accepts_real_output(opool):
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        if os.environ.get("LLAMAPOOL_REQUIRE_PROMTOOL"):
-            pytest.fail("promtool is required here (Debian package prometheus)")
-        pytest.skip("promtool not installed (apt-get install prometheus)")
+    promtool = require_tool("promtool")  # Debian package prometheus
     httpx.post(opool.url + "/v1/completions", headers=AUTH,
                json={"prompt": "Hi", "max_tokens": 2})
     text = httpx.get(opool.url + "/metrics", headers=AUTH).text
@@ -185,9 +179,7 @@ def test_promtool_accepts_real_output(opool):
 
 
 def test_slots_show_busy_while_a_stream_is_held(opool):
-    stream = RawStream(opool.port, LONG, headers=AUTH)
-    slot_id = int(stream.header("X-Slot-Id"))
-    wait_paused(opool, slot_id)
+    stream, slot_id = hold_slot(opool, headers=AUTH)
     slots = httpx.get(opool.url + "/slots", headers=AUTH).json()
     busy = next(s for s in slots if s["id"] == slot_id)
     assert busy["state"] == "busy" and busy["is_processing"]
@@ -304,11 +296,7 @@ def test_broker_and_worker_serve_their_own_metrics(tiny_model, tmp_path):
 
 
 def test_shipped_prometheus_config_is_valid():
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        if os.environ.get("LLAMAPOOL_REQUIRE_PROMTOOL"):
-            pytest.fail("promtool is required here (Debian package prometheus)")
-        pytest.skip("promtool not installed (apt-get install prometheus)")
+    promtool = require_tool("promtool")  # Debian package prometheus
     config = os.path.join(os.path.dirname(__file__), "..", "deploy", "prometheus",
                           "prometheus.yml")
     result = subprocess.run([promtool, "check", "config", "--syntax-only", config],

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.pool import Pool, wait_until
-from tests.test_slot_paths import LONG, RawStream, wait_paused
+from tests.test_slot_paths import hold_slot
 from workers.signals import EXIT_FORCED
 
 pytestmark = pytest.mark.stack
@@ -48,8 +48,7 @@ def test_idle_worker_leaves_the_ledger_on_sigterm(make_pool):
 
 def test_busy_worker_finishes_its_job_within_the_grace_period(make_pool):
     pool = make_pool(workers=1)
-    stream = RawStream(pool.port, LONG)
-    wait_paused(pool, int(stream.header("X-Slot-Id")))
+    stream, _ = hold_slot(pool)
     worker = pool.workers[0]
     worker.popen.send_signal(signal.SIGTERM)
     # It takes no new job meanwhile.
@@ -66,8 +65,7 @@ def test_busy_worker_finishes_its_job_within_the_grace_period(make_pool):
 
 def test_grace_period_over_ends_the_job_with_a_clear_error(make_pool):
     pool = make_pool(workers=1, worker_args=("--shutdown-grace-s", "0.5"))
-    stream = RawStream(pool.port, LONG)
-    wait_paused(pool, int(stream.header("X-Slot-Id")))
+    stream, _ = hold_slot(pool)
     worker = pool.workers[0]
     worker.popen.send_signal(signal.SIGTERM)
     assert worker.popen.wait(timeout=10) == 0
@@ -81,8 +79,7 @@ def test_grace_period_over_ends_the_job_with_a_clear_error(make_pool):
 
 def test_second_sigterm_exits_at_once(make_pool):
     pool = make_pool(workers=1)
-    stream = RawStream(pool.port, LONG)
-    wait_paused(pool, int(stream.header("X-Slot-Id")))
+    stream, _ = hold_slot(pool)
     worker = pool.workers[0]
     worker.popen.send_signal(signal.SIGTERM)
     wait_until(lambda: pool.status()["slots"][0].get("state") == "busy"

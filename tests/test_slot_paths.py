@@ -85,6 +85,14 @@ def wait_paused(pool, slot_id: int) -> None:
     wait_until(paused, 20, f"slot {slot_id} to pause", interval_s=0.1)
 
 
+def hold_slot(pool, headers: dict | None = None) -> tuple[RawStream, int]:
+    """Open a long stream and stop reading: its slot stays busy, paused."""
+    stream = RawStream(pool.port, LONG, headers=headers)
+    slot_id = int(stream.header("X-Slot-Id"))
+    wait_paused(pool, slot_id)
+    return stream, slot_id
+
+
 def test_eof_releases(whole_pool):
     before = whole_pool.status()["counters"].get("finished", 0)
     with httpx.stream("POST", whole_pool.url + "/v1/completions",
@@ -157,9 +165,7 @@ def test_two_streams_hold_both_slots_third_gets_503(whole_pool):
 
 def test_slow_reader_pauses_generation(whole_pool):
     """A reader that stops pauses its worker: output in flight stays bounded."""
-    stream = RawStream(whole_pool.port, LONG)
-    slot_id = int(stream.header("X-Slot-Id"))
-    wait_paused(whole_pool, slot_id)
+    stream, slot_id = hold_slot(whole_pool)
     slot = next(s for s in whole_pool.status()["slots"] if s["id"] == slot_id)
     assert slot["state"] == "busy"
     assert slot["progress"]["n_generated"] < LONG["max_tokens"]

@@ -6,9 +6,7 @@ by polling a condition with a deadline.
 
 from __future__ import annotations
 
-import os
 import select
-import shutil
 import socket
 import struct
 import subprocess
@@ -16,24 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.pool import BrokerProbe
-
-
-def unavailable(reason: str):
-    """Skip, unless CI installed the tools (then a missing one is a failure)."""
-    if os.environ.get("LLAMAPOOL_REQUIRE_DEPLOY_TOOLS") == "1":
-        pytest.fail(f"{reason}, but LLAMAPOOL_REQUIRE_DEPLOY_TOOLS=1 (.ci/run)")
-    pytest.skip(reason)
-
-
-def require_tool(name: str) -> str:
-    """The path of a system tool the test drives for real."""
-    path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
-    if path is None:
-        unavailable(f"{name} is not installed")
-    return path
 
 
 class NotifyListener:

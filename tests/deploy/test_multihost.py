@@ -31,9 +31,10 @@ import httpx
 import pytest
 
 from protocol import curve
-from tests.deploy.helpers import CurveProbe, keygen, unavailable
+from tests.deploy.helpers import CurveProbe, keygen
 from tests.deploy.netns import Lan, NetnsExecutor, namespaces_work
 from tests.pool import Proc, cli, wait_until
+from tests.system_tools import unavailable
 
 pytestmark = pytest.mark.stack
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy.helpers import require_tool
 from tests.pool import TEST_HEARTBEAT, BrokerProbe, Proc, cli, free_port, wait_until
+from tests.system_tools import require_tool
 
 pytestmark = pytest.mark.stack
 

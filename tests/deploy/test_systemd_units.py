@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.helpers import require_tool
+from tests.system_tools import require_tool
 from workers import cli
 from workers.broker_security import BrokerSecurity
 from workers.model_worker import WorkerSettings
