@@ -70,7 +70,7 @@ def child_exit(server, worker):
 def when_ready(server):
     import time
 
-    from workers.sd_notify import Notifier
+    from llamapool.sd_notify import Notifier
 
     def checked_in(worker) -> bool:
         try:  # the same test as Arbiter.murder_workers

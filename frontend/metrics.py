@@ -28,7 +28,7 @@ from prometheus_client import (
     multiprocess,
 )
 
-from workers.broker_metrics import PoolCollector
+from workers.broker.metrics import PoolCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

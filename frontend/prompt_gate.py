@@ -31,7 +31,7 @@ class PromptGate:
         if self._builder is None:
             with self._lock:
                 if self._builder is None:
-                    from workers.prompting import PromptBuilder
+                    from workers.model.prompting import PromptBuilder
 
                     self._builder = PromptBuilder.vocab_only(
                         self.model_path, self.chat_format
@@ -40,7 +40,7 @@ class PromptGate:
 
     def check(self, generation: dict) -> None:
         """Attach ``prompt_tokens``; raise 400 if the prompt cannot fit."""
-        from workers.prompting import PromptError
+        from workers.model.prompting import PromptError
 
         try:
             tokens, stops = self._prompts().tokens(generation)

@@ -1,7 +1,7 @@
 """The frontend's settings: one frozen object, built from ``LLAMAPOOL_*``.
 
 gunicorn forks the app, so the CLI (``llamapool frontend``) passes its flags
-to the workers as environment variables and ``frontend.wsgi`` reads them here.
+to the workers as environment variables and ``llamapool.wsgi`` reads them here.
 Every default is documented in this one place.
 
 | variable                         | default        | meaning                      |

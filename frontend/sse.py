@@ -8,7 +8,7 @@ released (and CANCEL sent) exactly once (see ``frontend.lease``).
 Credit: each ``__next__`` call means the previous event was written to the
 socket, so frames handed out so far have been consumed. The body returns
 credit to the worker in batches; a client that stops reading stops the
-credit, and the worker pauses (``workers.model_worker.ActiveJob``).
+credit, and the worker pauses (``workers.model.worker.ActiveJob``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Between hosts every link is CURVE-encrypted and authenticated. The broker is
 the CURVE *server* (it holds its secret key; clients must know its public
 key); workers and frontends are *clients* with their own key pairs, whose
 public keys the broker lists in an authorized directory (see
-``workers.broker_security``).
+``workers.broker.security``).
 
 Key files are ZeroMQ certificates as written by ``zmq.auth.create_certificates``
 (``llamapool keygen``): ``NAME.key`` holds the public key, ``NAME.key_secret``

@@ -15,7 +15,7 @@ def tiny_model(tmp_path_factory):
     """The random-weight test GGUF, written by the real CLI command."""
     path = tmp_path_factory.mktemp("model") / "tiny.gguf"
     subprocess.run(
-        [sys.executable, "-m", "workers.cli", "make-test-model", str(path)],
+        [sys.executable, "-m", "llamapool", "make-test-model", str(path)],
         check=True, capture_output=True,
     )
     return path

@@ -1,6 +1,6 @@
 """Real processes for tests: broker, model workers and gunicorn over loopback.
 
-Every process is started as users start it (``python -m workers.cli ...``)
+Every process is started as users start it (``python -m llamapool ...``)
 and stopped with SIGTERM; one that does not exit in time fails the test.
 Readiness and recovery are waited for by polling a condition with a
 deadline, never by sleeping a fixed time.
@@ -104,7 +104,7 @@ class Proc:
 
 def cli(*args: str) -> list[str]:
     """argv for the real CLI; global flags (``--log-format``) go first."""
-    return [sys.executable, "-m", "workers.cli", "--log-level", "info", *args]
+    return [sys.executable, "-m", "llamapool", "--log-level", "info", *args]
 
 
 class BrokerProbe:

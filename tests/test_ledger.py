@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 from protocol import messages
-from workers.ledger import IDLE, Ledger
+from workers.broker.ledger import IDLE, Ledger
 
 TIMEOUT_S = 3.0
 

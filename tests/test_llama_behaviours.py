@@ -6,7 +6,7 @@
    ``generate`` loop yields. (The speed ratio itself is measured by
    ``tests/bench/bench_generate_loop.py``.)
 2. Prefix reuse after a generation that was stopped early or streamed
-   (``workers/kv_cache.py``). Pinned: the failing sequence passes through the
+   (``workers/model/kv_cache.py``). Pinned: the failing sequence passes through the
    engine, with cached tokens reported.
 3. ctypes releases the GIL during ``llama_decode``. Pinned: a pure-Python
    side thread keeps running during one decode call.
@@ -20,7 +20,7 @@ import time
 import llama_cpp
 import pytest
 
-from workers.llama_engine import LlamaEngine
+from workers.model.llama_engine import LlamaEngine
 
 
 class RecordingSink:

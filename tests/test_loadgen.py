@@ -1,6 +1,6 @@
 """``llamapool bench``, the synthetic engine and the locust file, for real.
 
-Every load run is the real CLI (``python -m workers.cli bench ... --json``)
+Every load run is the real CLI (``python -m llamapool bench ... --json``)
 against real servers: our pool on the tiny model, our pool on the synthetic
 engine, and llama-cpp-python's own server as a separate process.
 """
@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from tests.pool import Pool, Proc, cli, free_port, wait_until
-from workers.engine import RequestRejected
-from workers.synthetic_engine import SyntheticEngine
+from workers.model.engine import RequestRejected
+from workers.model.synthetic_engine import SyntheticEngine
 
 pytestmark = pytest.mark.stack
 

@@ -9,9 +9,9 @@ import signal
 import httpx
 import pytest
 
+from llamapool.signals import EXIT_FORCED
 from tests.pool import Pool, wait_until
 from tests.test_slot_paths import hold_slot
-from workers.signals import EXIT_FORCED
 
 pytestmark = pytest.mark.stack
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.detokenizer import IncrementalDetokenizer
-from workers.stop_strings import StopStringFilter
+from workers.model.detokenizer import IncrementalDetokenizer
+from workers.model.stop_strings import StopStringFilter
 
 
 def run_filter(pieces: list[str], stops: list[str]) -> tuple[str, bool]:

@@ -43,7 +43,7 @@ HUGE_CTX = 1 << 30
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "workers.cli", "--log-level", "warning", *args]
+    return [sys.executable, "-m", "llamapool", "--log-level", "warning", *args]
 
 
 def start_broker(run_dir: str) -> tuple[harness.Server, str, str]:

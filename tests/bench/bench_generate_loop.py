@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens, args.reps = [64, 128], 1
-    from workers.llama_engine import LlamaEngine
+    from workers.model.llama_engine import LlamaEngine
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

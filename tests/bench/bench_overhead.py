@@ -6,7 +6,7 @@ One ``llamapool up --workers 1`` and one in-process ``Llama`` on the same
 model, thread count and prompt; ``ignore_eos`` so both produce exactly
 ``--tokens`` tokens. The two run alternately, several times, so drift on a
 shared machine hits both sides alike. Both reuse the prompt's KV-cache prefix
-the same way (``workers.kv_cache``), so TTFT compares like with like.
+the same way (``workers.model.kv_cache``), so TTFT compares like with like.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from frontend import loadgen
+from llamapool import loadgen
 from tests.pool import free_port, wait_until
 
 STOP_TIMEOUT_S = 40.0
@@ -56,13 +56,13 @@ def median(values: list[float]) -> float | None:
 
 
 def default_model() -> str:
-    from workers.supervisor import default_model_path
+    from llamapool.supervisor import default_model_path
 
     return default_model_path()
 
 
 def tiny_model(directory: Path) -> str:
-    from workers.test_model import write_test_model
+    from llamapool.test_model import write_test_model
 
     path = directory / "tiny.gguf"
     if not path.exists():
@@ -170,7 +170,7 @@ def llamapool_up(model: str, workers: int, threads: int, *, ctx: int = 2048,
     """``llamapool up`` on a free port; returns the server and its base URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "workers.cli", "--log-level", "warning", "up",
+    argv = [sys.executable, "-m", "llamapool", "--log-level", "warning", "up",
             "--model", model, "--workers", str(workers), "--threads", str(threads),
             "--ctx", str(ctx), "--port", str(port), *extra]
     server = Server("llamapool-up", argv, url + "/health")
@@ -259,7 +259,7 @@ def ban_eog(llama):
 
 def generate_loop(llama, prompt: str, n_tokens: int, processors) -> LoopTiming:
     """A bare ``Llama.generate`` loop, prefix reuse as the worker does it."""
-    from workers import kv_cache
+    from workers.model import kv_cache
 
     tokens = llama.tokenize(prompt.encode("utf-8"), special=True)
     started = time.perf_counter()

@@ -83,7 +83,7 @@ def keygen(directory: Path, *clients: str) -> Path:
     """Run the real ``llamapool keygen``; returns the directory."""
     extra = [a for name in clients for a in ("--client", name)]
     subprocess.run(
-        [sys.executable, "-m", "workers.cli", "keygen", str(directory), *extra],
+        [sys.executable, "-m", "llamapool", "keygen", str(directory), *extra],
         check=True, capture_output=True,
     )
     return directory

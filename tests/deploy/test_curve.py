@@ -21,10 +21,10 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from llamapool.cli import EXIT_CURVE_KEYS, EXIT_INSECURE
 from protocol import curve, messages
 from tests.deploy.helpers import CurveProbe, keygen
 from tests.pool import TEST_HEARTBEAT, Proc, cli, free_port, wait_until
-from workers.cli import EXIT_CURVE_KEYS, EXIT_INSECURE
 
 pytestmark = pytest.mark.skipif(not curve.available(), reason="libzmq without CURVE")
 
@@ -72,7 +72,7 @@ def test_keygen_modes_and_idempotence(tmp_path):
     keygen(out, "worker-host3")  # adds one pair, keeps the rest
     assert (out / "broker.key_secret").read_bytes() == broker_secret
     assert (out / "authorized" / "worker-host3.key").exists()
-    bad = subprocess.run([sys.executable, "-m", "workers.cli", "keygen", str(out),
+    bad = subprocess.run([sys.executable, "-m", "llamapool", "keygen", str(out),
                           "--client", "../escape"], capture_output=True, text=True)
     assert bad.returncode == 2
 

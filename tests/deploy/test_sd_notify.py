@@ -13,9 +13,9 @@ import socket
 
 import pytest
 
+from llamapool import sd_notify
 from tests.deploy.helpers import NotifyListener
 from tests.pool import TEST_HEARTBEAT, BrokerProbe, Proc, cli, free_port, wait_until
-from workers import sd_notify
 
 #: 1 s watchdog: pings must come at least this often.
 WATCHDOG_USEC = 1_000_000

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from llamapool import cli
 from tests.system_tools import require_tool
-from workers import cli
-from workers.broker_security import BrokerSecurity
-from workers.model_worker import WorkerSettings
+from workers.broker.security import BrokerSecurity
+from workers.model.worker import WorkerSettings
 
 UNIT_DIR = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 INSTALLED_BIN = "/opt/llamapool/venv/bin/llamapool"

@@ -15,16 +15,16 @@ import time
 
 import llama_cpp
 
-from workers import kv_cache
-from workers.detokenizer import IncrementalDetokenizer
-from workers.engine import (
+from workers.model import kv_cache
+from workers.model.detokenizer import IncrementalDetokenizer
+from workers.model.engine import (
     GenerationResult,
     JobSink,
     RequestRejected,
     TokenOutput,
     token_budget,
 )
-from workers.prompting import PromptBuilder, PromptError
+from workers.model.prompting import PromptBuilder, PromptError
 
 log = logging.getLogger("llamapool.worker")
 

@@ -47,7 +47,7 @@ def gunicorn_argv() -> list[str]:
         print(f"llamapool frontend: gunicorn config not found at {config}; set "
               "LLAMAPOOL_GUNICORN_CONFIG", file=sys.stderr)
         sys.exit(EXIT_NO_CONFIG)
-    return [sys.executable, "-m", "gunicorn", "-c", str(config), "frontend.wsgi:app"]
+    return [sys.executable, "-m", "gunicorn", "-c", str(config), "llamapool.wsgi:app"]
 
 
 def exec_gunicorn(env: dict[str, str]) -> None:

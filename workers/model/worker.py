@@ -30,9 +30,8 @@ import zmq
 
 from protocol import messages, timing
 from protocol.curve import ClientKeys
-from workers import sd_notify
-from workers.engine import Engine, RequestRejected
-from workers.signals import StopFlag
+from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
+from workers.model.engine import Engine, RequestRejected
 
 log = logging.getLogger("llamapool.worker")
 
@@ -137,6 +136,7 @@ class ModelWorker:
         load_engine: Callable[[], Engine],
         model_label: str,
         ctx: zmq.Context | None = None,
+        notifier: ServiceNotifier | None = None,
     ) -> None:
         self.settings = settings
         self._load_engine = load_engine
@@ -151,13 +151,13 @@ class ModelWorker:
         self._io_done = threading.Event()
         self.malformed_dropped = 0
         self.jobs_done = 0
-        self._sd = sd_notify.Notifier()
+        self._sd = notifier or SilentNotifier()
         self.tokens_generated = 0
         self.busy = False
 
     # --- main thread -------------------------------------------------------------
 
-    def run(self, stop: StopFlag) -> None:
+    def run(self, stop: StopSignal) -> None:
         """Serve jobs until ``stop`` is set and the current job has ended."""
         inbox = self.ctx.socket(zmq.PULL)
         inbox.bind(self._outbox_endpoint)
@@ -251,7 +251,7 @@ class ModelWorker:
             engine=self.engine.name,
         )
 
-    def _io_loop(self, inbox: zmq.Socket, outbox: zmq.Socket, stop: StopFlag) -> None:
+    def _io_loop(self, inbox: zmq.Socket, outbox: zmq.Socket, stop: StopSignal) -> None:
         s = self.settings
         dealer = self._new_dealer()
         poller = zmq.Poller()

@@ -27,13 +27,12 @@ import time
 import zmq
 
 from protocol import messages, timing
+from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from protocol.prefix import MAX_BLOCKS
-from workers import ledger as ledger_mod
-from workers import sd_notify
-from workers.broker_metrics import LatestSnapshotCollector
-from workers.broker_security import BrokerSecurity
-from workers.pool_stats import PoolStats
-from workers.signals import StopFlag
+from workers.broker import ledger as ledger_mod
+from workers.broker.metrics import LatestSnapshotCollector
+from workers.broker.pool_stats import PoolStats
+from workers.broker.security import BrokerSecurity
 
 log = logging.getLogger("llamapool.broker")
 
@@ -48,7 +47,7 @@ class BrokerSettings:
     workers_endpoint: str
     heartbeat_interval_s: float = timing.HEARTBEAT_INTERVAL_S
     heartbeat_liveness: int = timing.HEARTBEAT_LIVENESS
-    #: CURVE (see ``workers.broker_security``); empty paths mean plaintext.
+    #: CURVE (see ``workers.broker.security``); empty paths mean plaintext.
     curve_secret_key: str = ""
     curve_authorized_dir: str = ""
     insecure_plaintext: bool = False
@@ -58,7 +57,8 @@ class Broker:
     """Routes jobs between frontends and workers. Single-threaded."""
 
     def __init__(self, settings: BrokerSettings, ctx: zmq.Context | None = None,
-                 metrics: LatestSnapshotCollector | None = None):
+                 metrics: LatestSnapshotCollector | None = None,
+                 notifier: ServiceNotifier | None = None):
         self.settings = settings
         self.metrics = metrics
         self.ctx = ctx or zmq.Context.instance()
@@ -72,7 +72,7 @@ class Broker:
         self._deaths_by_host: collections.Counter[str] = collections.Counter()
         self._frontend_sock: zmq.Socket | None = None
         self._worker_sock: zmq.Socket | None = None
-        self._sd = sd_notify.Notifier()
+        self._sd = notifier or SilentNotifier()
         self.security = BrokerSecurity(
             settings.curve_secret_key, settings.curve_authorized_dir,
             settings.insecure_plaintext,
@@ -142,7 +142,7 @@ class Broker:
 
     # --- main loop ---------------------------------------------------------------
 
-    def run(self, stop: StopFlag) -> None:
+    def run(self, stop: StopSignal) -> None:
         """Serve until ``stop`` is set."""
         if self._frontend_sock is None:
             self.bind()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from workers.stop_strings import StopStringFilter
+from workers.model.stop_strings import StopStringFilter
 
 
 class RequestRejected(Exception):

@@ -8,7 +8,7 @@ It is not a model and never pretends to be one: READY says engine
 
 It keeps every promise a real engine keeps to the worker: ``max_tokens``
 and the context size, stop strings that never leak
-(``workers.stop_strings``), credit before each frame, a cancel check between
+(``workers.model.stop_strings``), credit before each frame, a cancel check between
 tokens, and live progress. Output token ``i`` is the text ``tok{i}``,
 separated by spaces: ``"tok0 tok1 tok2"``.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from workers.engine import GenerationResult, JobSink, TokenOutput, token_budget
+from workers.model.engine import GenerationResult, JobSink, TokenOutput, token_budget
 
 DEFAULT_TOKENS_PER_SECOND = 50.0
 

@@ -26,7 +26,7 @@ import time
 import urllib.error
 import urllib.request
 
-from workers.signals import StopFlag
+from llamapool.signals import StopFlag
 
 log = logging.getLogger("llamapool.up")
 
@@ -120,7 +120,7 @@ def run_up(args: argparse.Namespace) -> int:
     rundir = tempfile.mkdtemp(prefix="llamapool-")
     frontends_ep = f"ipc://{rundir}/frontends"
     workers_ep = f"ipc://{rundir}/workers"
-    cli = [sys.executable, "-m", "workers.cli", "--log-level", args.log_level,
+    cli = [sys.executable, "-m", "llamapool", "--log-level", args.log_level,
            "--log-format", args.log_format]
     liveness = ["--heartbeat-interval-s", str(args.heartbeat_interval_s),
                 "--heartbeat-liveness", str(args.heartbeat_liveness)]

@@ -1,4 +1,4 @@
-"""The module gunicorn loads: ``frontend.wsgi:app``."""
+"""The module gunicorn loads: ``llamapool.wsgi:app``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 from frontend.app import create_app
 from frontend.settings import FrontendSettings
-from workers.log_format import configure_logging
+from llamapool.log_format import configure_logging
 
 configure_logging(os.environ.get("LLAMAPOOL_LOG_LEVEL", "info"),
                   os.environ.get("LLAMAPOOL_LOG_FORMAT", "text"))

@@ -12,9 +12,9 @@ import logging
 import os
 import sys
 
+from llamapool import curve_cli, sd_notify
 from protocol import timing
 from protocol.curve import CurveKeyError
-from workers import curve_cli
 
 #: Exit codes for boot failures (gunicorn/dramatiq style named codes).
 EXIT_OK = 0
@@ -26,7 +26,7 @@ EXIT_CURVE_KEYS = 7  # a CURVE key file or directory is missing or bad
 
 
 def _setup_logging(level: str, fmt: str) -> None:
-    from workers.log_format import configure_logging
+    from llamapool.log_format import configure_logging
 
     configure_logging(level, fmt)
 
@@ -194,14 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
 def run_broker(args: argparse.Namespace) -> int:
     import zmq
 
-    from workers.broker import Broker, BrokerSettings
-    from workers.broker_security import InsecureEndpoint
-    from workers.signals import StopFlag
+    from llamapool.signals import StopFlag
+    from workers.broker.broker import Broker, BrokerSettings
+    from workers.broker.security import InsecureEndpoint
 
     stop = StopFlag().install()
     metrics = None
     if args.metrics_port:
-        from workers.broker_metrics import serve_broker_metrics
+        from workers.broker.metrics import serve_broker_metrics
 
         metrics = serve_broker_metrics(args.metrics_port)
     broker = Broker(BrokerSettings(
@@ -212,7 +212,7 @@ def run_broker(args: argparse.Namespace) -> int:
         curve_secret_key=args.curve_secret_key,
         curve_authorized_dir=args.curve_authorized_dir,
         insecure_plaintext=args.insecure_plaintext,
-    ), metrics=metrics)
+    ), metrics=metrics, notifier=sd_notify.Notifier())
     try:
         broker.bind()
     except InsecureEndpoint as exc:
@@ -229,12 +229,12 @@ def run_broker(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from workers.model_worker import EngineLoadError, ModelWorker, WorkerSettings
-    from workers.signals import StopFlag
+    from llamapool.signals import StopFlag
+    from workers.model.worker import EngineLoadError, ModelWorker, WorkerSettings
 
     log = logging.getLogger("llamapool.worker")
     if args.engine == "synthetic":
-        from workers.synthetic_engine import SyntheticEngine
+        from workers.model.synthetic_engine import SyntheticEngine
 
         def load_engine() -> SyntheticEngine:
             return SyntheticEngine(tokens_per_second=args.tokens_per_second,
@@ -251,7 +251,7 @@ def run_worker(args: argparse.Namespace) -> int:
         if not os.path.isfile(args.model):
             log.error("model file not found: %s", args.model)
             return EXIT_MODEL_LOAD
-        from workers.llama_engine import LlamaEngine
+        from workers.model.llama_engine import LlamaEngine
 
         def load_engine() -> LlamaEngine:
             return LlamaEngine(
@@ -273,9 +273,9 @@ def run_worker(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout_s,
         shutdown_grace_s=args.shutdown_grace_s,
         curve=curve_keys,
-    ), load_engine, label)
+    ), load_engine, label, notifier=sd_notify.Notifier())
     if args.metrics_port:
-        from workers.worker_metrics import serve_worker_metrics
+        from workers.model.metrics import serve_worker_metrics
 
         serve_worker_metrics(worker, args.metrics_port)
     try:
@@ -294,8 +294,8 @@ def api_keys_from(args: argparse.Namespace) -> list[str]:
 
 def run_frontend(args: argparse.Namespace) -> int:
     from frontend.auth import key_suffix
-    from frontend.serve import exec_gunicorn, frontend_env
     from frontend.settings import read_key_file
+    from llamapool.serve import exec_gunicorn, frontend_env
 
     keys = api_keys_from(args)
     shown = keys or (read_key_file(args.api_key_file) if args.api_key_file else [])
@@ -324,7 +324,7 @@ def run_frontend(args: argparse.Namespace) -> int:
 
 
 def run_make_test_model(args: argparse.Namespace) -> int:
-    from workers.test_model import write_test_model
+    from llamapool.test_model import write_test_model
 
     write_test_model(args.path)
     print(args.path)
@@ -333,7 +333,7 @@ def run_make_test_model(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     try:
-        from frontend import loadgen
+        from llamapool import loadgen
     except ImportError as exc:
         print(f"llamapool bench needs httpx ({exc}); pip install httpx",
               file=sys.stderr)
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level, args.log_format)
     if args.command == "up":
-        from workers.supervisor import run_up
+        from llamapool.supervisor import run_up
 
         return run_up(args)
     handlers = {
