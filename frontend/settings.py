@@ -4,38 +4,36 @@ gunicorn forks the app, so the CLI (``llamapool frontend``) passes its flags
 to the workers as environment variables and ``llamapool.wsgi`` reads them here.
 Every default is documented in this one place.
 
-| variable                         | default        | meaning                      |
-|----------------------------------|----------------|------------------------------|
-| LLAMAPOOL_BROKER                 | (required)     | broker frontends endpoint    |
-| LLAMAPOOL_API_KEYS               | (none)         | comma-separated keys         |
-| LLAMAPOOL_API_KEY_FILE           | (none)         | file with one key per line   |
-| LLAMAPOOL_MAX_BODY_BYTES         | 1048576        | larger bodies get 413        |
-| LLAMAPOOL_SUBMIT_TIMEOUT_S       | 5              | wait for the broker's answer |
-| LLAMAPOOL_FRAME_TIMEOUT_S        | 600            | longest silence mid-job      |
-| LLAMAPOOL_HEALTH_TIMEOUT_S       | 1              | /health never blocks longer  |
-| LLAMAPOOL_HEARTBEAT_INTERVAL_S   | 1              | heartbeat to the broker      |
-| LLAMAPOOL_HEARTBEAT_LIVENESS     | 3              | missed beats = broker lost   |
-| LLAMAPOOL_MODEL_NAME             | (from workers) | name when no worker is known |
-| LLAMAPOOL_SLOTS_DEBUG            | 0              | /slots may show text         |
-| LLAMAPOOL_TOKENIZER_MODEL        | (none)         | GGUF to count prompt tokens  |
-| LLAMAPOOL_CHAT_FORMAT            | (template)     | same as the workers' format  |
-| LLAMAPOOL_CTX                    | 2048           | workers' context size        |
-| LLAMAPOOL_STREAM_SNDBUF_BYTES    | 65536          | kernel buffer per SSE stream |
-| LLAMAPOOL_CURVE_SERVER_KEY       | (none)         | broker's public .key (CURVE) |
-| LLAMAPOOL_CURVE_SECRET_KEY       | (none)         | own .key_secret (CURVE)      |
+| variable                       | default        | meaning                       |
+|--------------------------------|----------------|-------------------------------|
+| LLAMAPOOL_BROKER               | (required)     | broker frontends endpoint     |
+| LLAMAPOOL_API_KEYS             | (none)         | comma-separated keys          |
+| LLAMAPOOL_API_KEY_FILE         | (none)         | file with one key per line    |
+| LLAMAPOOL_MAX_BODY_BYTES       | 1048576        | larger bodies get 413         |
+| LLAMAPOOL_SUBMIT_TIMEOUT_S     | 5.0            | wait for the broker's answer  |
+| LLAMAPOOL_FRAME_TIMEOUT_S      | 600.0          | longest silence mid-job       |
+| LLAMAPOOL_HEALTH_TIMEOUT_S     | 1.0            | /health never blocks longer   |
+| LLAMAPOOL_HEARTBEAT_INTERVAL_S | 1.0            | heartbeat to the broker       |
+| LLAMAPOOL_HEARTBEAT_LIVENESS   | 3              | missed beats = broker lost    |
+| LLAMAPOOL_MODEL_NAME           | (from workers) | name when no worker is known  |
+| LLAMAPOOL_CREDIT_BATCH_FRAMES  | 64             | frames read per credit return |
+| LLAMAPOOL_TOKENIZER_MODEL      | (none)         | GGUF to count prompt tokens   |
+| LLAMAPOOL_CHAT_FORMAT          | (template)     | same as the workers' format   |
+| LLAMAPOOL_CTX                  | 2048           | workers' context size         |
+| LLAMAPOOL_STREAM_SNDBUF_BYTES  | 65536          | kernel buffer per SSE stream  |
+| LLAMAPOOL_CURVE_SERVER_KEY     | (none)         | broker's public .key (CURVE)  |
+| LLAMAPOOL_CURVE_SECRET_KEY     | (none)         | own .key_secret (CURVE)       |
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 
-from protocol import timing
+from protocol import defaults, timing
+from protocol.settings import ConfigError, load, setting
 
-
-class ConfigError(ValueError):
-    """A setting is missing or malformed."""
+__all__ = ["ConfigError", "FrontendSettings", "read_key_file"]
 
 
 def read_key_file(path: str) -> list[str]:
@@ -47,66 +45,53 @@ def read_key_file(path: str) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class FrontendSettings:
-    broker_endpoint: str
-    api_keys: tuple[str, ...] = ()
-    max_body_bytes: int = 1024 * 1024
-    submit_timeout_s: float = timing.SUBMIT_TIMEOUT_S
-    frame_timeout_s: float = 600.0
-    health_timeout_s: float = 1.0
-    heartbeat_interval_s: float = timing.HEARTBEAT_INTERVAL_S
-    heartbeat_liveness: int = timing.HEARTBEAT_LIVENESS
-    model_name: str = ""
-    slots_debug: bool = False
+    broker_endpoint: str = setting(
+        dataclasses.MISSING, "LLAMAPOOL_BROKER", "broker frontends endpoint")
+    api_keys: tuple[str, ...] = setting(
+        (), "LLAMAPOOL_API_KEYS", "comma-separated keys")
+    api_key_file: str = setting(
+        "", "LLAMAPOOL_API_KEY_FILE", "file with one key per line")
+    max_body_bytes: int = setting(
+        1024 * 1024, "LLAMAPOOL_MAX_BODY_BYTES", "larger bodies get 413")
+    submit_timeout_s: float = setting(
+        timing.SUBMIT_TIMEOUT_S, "LLAMAPOOL_SUBMIT_TIMEOUT_S",
+        "wait for the broker's answer")
+    frame_timeout_s: float = setting(
+        600.0, "LLAMAPOOL_FRAME_TIMEOUT_S", "longest silence mid-job")
+    health_timeout_s: float = setting(
+        1.0, "LLAMAPOOL_HEALTH_TIMEOUT_S", "/health never blocks longer")
+    heartbeat_interval_s: float = setting(
+        timing.HEARTBEAT_INTERVAL_S, "LLAMAPOOL_HEARTBEAT_INTERVAL_S",
+        "heartbeat to the broker")
+    heartbeat_liveness: int = setting(
+        timing.HEARTBEAT_LIVENESS, "LLAMAPOOL_HEARTBEAT_LIVENESS",
+        "missed beats = broker lost")
+    model_name: str = setting(
+        "", "LLAMAPOOL_MODEL_NAME", "name when no worker is known",
+        shown="(from workers)")
     #: Frames the client consumes before the frontend returns credit.
-    credit_batch_frames: int = timing.CREDIT_WINDOW_FRAMES // 4
-    tokenizer_model: str = ""
-    chat_format: str | None = None
-    n_ctx: int = 2048
-    stream_sndbuf_bytes: int = 65536
+    credit_batch_frames: int = setting(
+        timing.CREDIT_WINDOW_FRAMES // 4, "LLAMAPOOL_CREDIT_BATCH_FRAMES",
+        "frames read per credit return")
+    tokenizer_model: str = setting(
+        "", "LLAMAPOOL_TOKENIZER_MODEL", "GGUF to count prompt tokens")
+    chat_format: str | None = setting(
+        None, "LLAMAPOOL_CHAT_FORMAT", "same as the workers' format",
+        shown="(template)")
+    n_ctx: int = setting(defaults.N_CTX, "LLAMAPOOL_CTX", "workers' context size")
+    stream_sndbuf_bytes: int = setting(
+        65536, "LLAMAPOOL_STREAM_SNDBUF_BYTES", "kernel buffer per SSE stream")
     #: CURVE key files for the broker link (``protocol.curve``); empty: plaintext.
-    curve_server_key: str = ""
-    curve_secret_key: str = ""
+    curve_server_key: str = setting(
+        "", "LLAMAPOOL_CURVE_SERVER_KEY", "broker's public .key (CURVE)")
+    curve_secret_key: str = setting(
+        "", "LLAMAPOOL_CURVE_SECRET_KEY", "own .key_secret (CURVE)")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FrontendSettings:
-        env = os.environ if env is None else env
-        broker = env.get("LLAMAPOOL_BROKER", "")
-        if not broker:
-            raise ConfigError("LLAMAPOOL_BROKER is not set")
-        keys = [k.strip() for k in env.get("LLAMAPOOL_API_KEYS", "").split(",")]
-        if env.get("LLAMAPOOL_API_KEY_FILE"):
-            keys += read_key_file(env["LLAMAPOOL_API_KEY_FILE"])
-
-        def number(name: str, default: float, kind=float):
-            raw = env.get(name)
-            if raw is None or raw == "":
-                return default
-            try:
-                return kind(raw)
-            except ValueError:
-                raise ConfigError(f"{name}={raw!r} is not a {kind.__name__}") from None
-
-        return cls(
-            broker_endpoint=broker,
-            api_keys=tuple(k for k in keys if k),
-            max_body_bytes=number("LLAMAPOOL_MAX_BODY_BYTES", cls.max_body_bytes, int),
-            submit_timeout_s=number("LLAMAPOOL_SUBMIT_TIMEOUT_S", cls.submit_timeout_s),
-            frame_timeout_s=number("LLAMAPOOL_FRAME_TIMEOUT_S", cls.frame_timeout_s),
-            health_timeout_s=number("LLAMAPOOL_HEALTH_TIMEOUT_S", cls.health_timeout_s),
-            heartbeat_interval_s=number(
-                "LLAMAPOOL_HEARTBEAT_INTERVAL_S", cls.heartbeat_interval_s
-            ),
-            heartbeat_liveness=number(
-                "LLAMAPOOL_HEARTBEAT_LIVENESS", cls.heartbeat_liveness, int
-            ),
-            model_name=env.get("LLAMAPOOL_MODEL_NAME", ""),
-            slots_debug=env.get("LLAMAPOOL_SLOTS_DEBUG", "0") in ("1", "true", "yes"),
-            tokenizer_model=env.get("LLAMAPOOL_TOKENIZER_MODEL", ""),
-            chat_format=env.get("LLAMAPOOL_CHAT_FORMAT") or None,
-            n_ctx=number("LLAMAPOOL_CTX", cls.n_ctx, int),
-            stream_sndbuf_bytes=number(
-                "LLAMAPOOL_STREAM_SNDBUF_BYTES", cls.stream_sndbuf_bytes, int
-            ),
-            curve_server_key=env.get("LLAMAPOOL_CURVE_SERVER_KEY", ""),
-            curve_secret_key=env.get("LLAMAPOOL_CURVE_SECRET_KEY", ""),
-        )
+        """Load from ``env``, with the key file's keys added to ``api_keys``."""
+        settings = load(cls, env)
+        if not settings.api_key_file:
+            return settings
+        keys = (*settings.api_keys, *read_key_file(settings.api_key_file))
+        return dataclasses.replace(settings, api_keys=keys)

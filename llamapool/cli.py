@@ -2,27 +2,31 @@
 
 Subcommands: ``up``, ``broker``, ``worker``, ``frontend``, ``make-test-model``,
 ``bench``, ``keygen``.
-Each flag also has a ``LLAMAPOOL_*`` environment variable where noted.
+
+The broker, worker and frontend each build one frozen settings object
+(``workers.broker.settings``, ``workers.model.settings``,
+``frontend.settings``) from their flags and ``LLAMAPOOL_*`` variables: a
+flag that is given wins over its variable, which wins over the default. The
+tables of variables and defaults are in those modules' docstrings.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
+from typing import Any
 
+from frontend.settings import FrontendSettings
 from llamapool import curve_cli, sd_notify
-from protocol import timing
-from protocol.curve import CurveKeyError
-
-#: Exit codes for boot failures (gunicorn/dramatiq style named codes).
-EXIT_OK = 0
-EXIT_USAGE = 2
-EXIT_MODEL_LOAD = 3
-EXIT_BIND = 5
-EXIT_INSECURE = 6  # a non-loopback endpoint without CURVE
-EXIT_CURVE_KEYS = 7  # a CURVE key file or directory is missing or bad
+from llamapool.exit_codes import ExitCode
+from llamapool.signals import StopFlag
+from protocol.curve import CurveKeyError, client_keys
+from protocol.settings import ConfigError, load, to_env
+from workers.broker.settings import BrokerSettings
+from workers.model.settings import ENGINES, WorkerSettings
 
 
 def _setup_logging(level: str, fmt: str) -> None:
@@ -31,34 +35,41 @@ def _setup_logging(level: str, fmt: str) -> None:
     configure_logging(level, fmt)
 
 
-def _add_liveness_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--heartbeat-interval-s", type=float,
-                   default=float(os.environ.get("LLAMAPOOL_HEARTBEAT_INTERVAL_S",
-                                                timing.HEARTBEAT_INTERVAL_S)))
-    p.add_argument("--heartbeat-liveness", type=int,
-                   default=int(os.environ.get("LLAMAPOOL_HEARTBEAT_LIVENESS",
-                                              timing.HEARTBEAT_LIVENESS)))
+def setting_flag(p: argparse.ArgumentParser, flag: str, cls: type, field: str,
+                 **kwargs: Any) -> None:
+    """A flag for one settings field; its help names the field's variable.
+
+    The flag is absent from the parsed namespace unless given, so the
+    variable and the default apply (``protocol.settings.load``).
+    """
+    meta = {f.name: f for f in dataclasses.fields(cls)}[field].metadata
+    kwargs.setdefault("help", meta["meaning"])
+    kwargs["help"] += f" (env {meta['env']})"
+    p.add_argument(flag, dest=field, default=argparse.SUPPRESS, **kwargs)
 
 
-def _add_key_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--api-key", action="append", default=[],
-                   help="accepted API key (repeatable); also LLAMAPOOL_API_KEYS")
-    p.add_argument("--api-key-file", help="file with one API key per line")
+def given_flags(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The settings fields of ``cls`` that were given as flags."""
+    return {f.name: getattr(args, f.name)
+            for f in dataclasses.fields(cls) if hasattr(args, f.name)}
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None,
-                   help="llama.cpp threads per worker (default: cores / workers)")
-    p.add_argument("--ctx", type=int, default=2048, help="context size per slot")
-    p.add_argument("--chat-format", default=None,
-                   help="named chat format (e.g. gemma), or 'template' for the "
-                        "GGUF's Jinja template (default: template if present)")
-    p.add_argument("--model-name", default=None,
-                   help="name reported in /v1/models (default: file name)")
+def settings_for(args: argparse.Namespace) -> Any:
+    """The settings of ``broker``, ``worker`` or ``frontend`` from flags and env.
+
+    Raises:
+        ConfigError: a required setting is missing or a variable is malformed.
+    """
+    cls = SETTINGS[args.command]
+    flags = given_flags(args, cls)
+    if "api_keys" in flags:
+        flags["api_keys"] = tuple(flags["api_keys"])
+    return load(cls, os.environ, flags)
 
 
-#: Engines a worker can run (``--engine``); llama.cpp is the only real one.
-ENGINES = ("llama.cpp", "synthetic")
+#: The settings class of each long-running subcommand.
+SETTINGS = {"broker": BrokerSettings, "worker": WorkerSettings,
+            "frontend": FrontendSettings}
 
 
 def _positive_int(text: str) -> int:
@@ -87,6 +98,34 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, not {text}")
     return value
+
+
+def _add_liveness_flags(p: argparse.ArgumentParser, cls: type) -> None:
+    setting_flag(p, "--heartbeat-interval-s", cls, "heartbeat_interval_s",
+                 type=_positive_float)
+    setting_flag(p, "--heartbeat-liveness", cls, "heartbeat_liveness",
+                 type=_positive_int)
+
+
+def _add_key_flags(p: argparse.ArgumentParser) -> None:
+    setting_flag(p, "--api-key", FrontendSettings, "api_keys", action="append",
+                 help="accepted API key (repeatable)")
+    setting_flag(p, "--api-key-file", FrontendSettings, "api_key_file")
+
+
+def _add_model_flags(p: argparse.ArgumentParser, cls: type) -> None:
+    """The flags a worker and a frontend share: they must agree on them."""
+    setting_flag(p, "--ctx", cls, "n_ctx", type=_positive_int)
+    setting_flag(p, "--chat-format", cls, "chat_format",
+                 help="named chat format (e.g. gemma), or 'template' for the "
+                      "GGUF's Jinja template (default: template if present)")
+
+
+def _add_worker_flags(p: argparse.ArgumentParser) -> None:
+    W = WorkerSettings
+    setting_flag(p, "--threads", W, "n_threads", type=_non_negative_int)
+    setting_flag(p, "--model-name", W, "model_name")
+    _add_model_flags(p, W)
 
 
 def _add_bench_parser(sub) -> None:
@@ -128,7 +167,8 @@ def _add_bench_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llamapool", description=__doc__)
+    parser = argparse.ArgumentParser(prog="llamapool", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default=os.environ.get("LLAMAPOOL_LOG_LEVEL",
                                                               "info"))
     parser.add_argument("--log-format", choices=["text", "json"],
@@ -138,51 +178,57 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="broker + N workers + gunicorn on this machine")
     up.add_argument("--model", help="GGUF path (default: Gemma 3 270M, assembled)")
-    up.add_argument("--workers", type=int, default=2)
+    up.add_argument("--workers", type=_positive_int, default=2)
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8080)
     _add_key_flags(up)
-    _add_model_flags(up)
-    _add_liveness_flags(up)
+    _add_worker_flags(up)
+    _add_liveness_flags(up, WorkerSettings)
 
+    B = BrokerSettings
     broker = sub.add_parser("broker", help="the broker alone")
-    broker.add_argument("--frontends", required=True,
-                        help="endpoint to bind for frontends")
-    broker.add_argument("--workers", required=True, help="endpoint to bind for workers")
-    broker.add_argument("--metrics-port", type=int, default=None,
-                        help="serve the broker's own /metrics on this port")
-    _add_liveness_flags(broker)
-    curve_cli.add_server_flags(broker)
+    setting_flag(broker, "--frontends", B, "frontends_endpoint")
+    setting_flag(broker, "--workers", B, "workers_endpoint")
+    setting_flag(broker, "--metrics-port", B, "metrics_port", type=_non_negative_int)
+    _add_liveness_flags(broker, B)
+    setting_flag(broker, "--curve-secret-key", B, "curve_secret_key")
+    setting_flag(broker, "--curve-authorized-dir", B, "curve_authorized_dir")
+    setting_flag(broker, "--insecure-plaintext", B, "insecure_plaintext",
+                 action="store_const", const=True)
 
+    W = WorkerSettings
     worker = sub.add_parser("worker", help="one model worker")
-    worker.add_argument("--broker", required=True, help="broker workers endpoint")
-    worker.add_argument("--model", default=None,
-                        help="GGUF path (required with --engine llama.cpp)")
-    worker.add_argument("--engine", choices=ENGINES, default="llama.cpp",
-                        help="llama.cpp, or synthetic: a stand-in with no model "
-                             "that emits 'tok0 tok1 ...' at --tokens-per-second")
-    worker.add_argument("--tokens-per-second", type=_positive_float, default=50.0,
-                        help="output rate of the synthetic engine")
-    worker.add_argument("--stall-timeout-s", type=float, default=timing.STALL_TIMEOUT_S)
-    worker.add_argument("--shutdown-grace-s", type=float, default=30.0)
-    worker.add_argument("--metrics-port", type=int, default=None,
-                        help="serve the worker's own /metrics on this port")
-    _add_model_flags(worker)
-    _add_liveness_flags(worker)
-    curve_cli.add_client_flags(worker)
+    setting_flag(worker, "--broker", W, "broker_endpoint")
+    setting_flag(worker, "--model", W, "model_path")
+    setting_flag(worker, "--engine", W, "engine", choices=ENGINES,
+                 help="llama.cpp, or synthetic: a stand-in with no model that "
+                      "emits 'tok0 tok1 ...' at --tokens-per-second")
+    setting_flag(worker, "--tokens-per-second", W, "tokens_per_second",
+                 type=_positive_float)
+    setting_flag(worker, "--stall-timeout-s", W, "stall_timeout_s",
+                 type=_positive_float)
+    setting_flag(worker, "--shutdown-grace-s", W, "shutdown_grace_s",
+                 type=_non_negative_float)
+    setting_flag(worker, "--worker-name", W, "worker_name")
+    setting_flag(worker, "--metrics-port", W, "metrics_port", type=_non_negative_int)
+    _add_worker_flags(worker)
+    _add_liveness_flags(worker, W)
+    setting_flag(worker, "--curve-server-key", W, "curve_server_key")
+    setting_flag(worker, "--curve-secret-key", W, "curve_secret_key")
 
+    F = FrontendSettings
     frontend = sub.add_parser("frontend", help="gunicorn on the Falcon app")
-    frontend.add_argument("--broker", required=True, help="broker frontends endpoint")
-    frontend.add_argument("--bind", default="127.0.0.1:8080")
-    frontend.add_argument("--model", default=None,
-                          help="GGUF to count prompt tokens at the door (vocab only)")
-    frontend.add_argument("--chat-format", default=None,
-                          help="the workers' chat format (with --model)")
-    frontend.add_argument("--ctx", type=int, default=2048,
-                          help="the workers' context size (with --model)")
+    setting_flag(frontend, "--broker", F, "broker_endpoint")
+    frontend.add_argument("--bind",
+                          default=os.environ.get("LLAMAPOOL_BIND", "127.0.0.1:8080"),
+                          help="gunicorn's address (env LLAMAPOOL_BIND)")
+    setting_flag(frontend, "--model", F, "tokenizer_model",
+                 help="GGUF to count prompt tokens at the door (vocab only)")
+    _add_model_flags(frontend, F)
     _add_key_flags(frontend)
-    _add_liveness_flags(frontend)
-    curve_cli.add_client_flags(frontend)
+    _add_liveness_flags(frontend, F)
+    setting_flag(frontend, "--curve-server-key", F, "curve_server_key")
+    setting_flag(frontend, "--curve-secret-key", F, "curve_secret_key")
 
     model = sub.add_parser("make-test-model", help="write the tiny test GGUF")
     model.add_argument("path")
@@ -191,157 +237,144 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fail(log: logging.Logger, code: ExitCode, message: str, *args: Any) -> int:
+    log.error(message, *args)
+    return code
+
+
 def run_broker(args: argparse.Namespace) -> int:
     import zmq
 
-    from llamapool.signals import StopFlag
-    from workers.broker.broker import Broker, BrokerSettings
+    from workers.broker.broker import Broker
     from workers.broker.security import InsecureEndpoint
 
+    log = logging.getLogger("llamapool.broker")
+    try:
+        settings = settings_for(args)
+    except ConfigError as exc:
+        return _fail(log, ExitCode.USAGE, "%s", exc)
     stop = StopFlag().install()
     metrics = None
-    if args.metrics_port:
+    if settings.metrics_port:
         from workers.broker.metrics import serve_broker_metrics
 
-        metrics = serve_broker_metrics(args.metrics_port)
-    broker = Broker(BrokerSettings(
-        frontends_endpoint=args.frontends,
-        workers_endpoint=args.workers,
-        heartbeat_interval_s=args.heartbeat_interval_s,
-        heartbeat_liveness=args.heartbeat_liveness,
-        curve_secret_key=args.curve_secret_key,
-        curve_authorized_dir=args.curve_authorized_dir,
-        insecure_plaintext=args.insecure_plaintext,
-    ), metrics=metrics, notifier=sd_notify.Notifier())
+        metrics = serve_broker_metrics(settings.metrics_port)
+    broker = Broker(settings, metrics=metrics, notifier=sd_notify.Notifier())
     try:
         broker.bind()
     except InsecureEndpoint as exc:
-        logging.getLogger("llamapool.broker").error("%s", exc)
-        return EXIT_INSECURE
+        return _fail(log, ExitCode.INSECURE, "%s", exc)
     except CurveKeyError as exc:
-        logging.getLogger("llamapool.broker").error("%s", exc)
-        return EXIT_CURVE_KEYS
+        return _fail(log, ExitCode.CURVE_KEYS, "%s", exc)
     except zmq.ZMQError as exc:
-        logging.getLogger("llamapool.broker").error("cannot bind: %s", exc)
-        return EXIT_BIND
+        return _fail(log, ExitCode.BIND, "cannot bind: %s", exc)
     broker.run(stop)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from llamapool.signals import StopFlag
-    from workers.model.worker import EngineLoadError, ModelWorker, WorkerSettings
+    from workers.model.engines import load_engine
+    from workers.model.worker import EngineLoadError, ModelWorker
 
     log = logging.getLogger("llamapool.worker")
-    if args.engine == "synthetic":
-        from workers.model.synthetic_engine import SyntheticEngine
-
-        def load_engine() -> SyntheticEngine:
-            return SyntheticEngine(tokens_per_second=args.tokens_per_second,
-                                   n_ctx=args.ctx, model_name=args.model_name)
-
-        label = args.model_name or SyntheticEngine.name
-        log.info("synthetic engine at %g tokens/s: no model is loaded",
-                 args.tokens_per_second)
-    else:
-        if args.model is None:
-            print("llamapool worker: --model PATH is required with --engine "
-                  "llama.cpp (the default)", file=sys.stderr)
-            return EXIT_USAGE
-        if not os.path.isfile(args.model):
-            log.error("model file not found: %s", args.model)
-            return EXIT_MODEL_LOAD
-        from workers.model.llama_engine import LlamaEngine
-
-        def load_engine() -> LlamaEngine:
-            return LlamaEngine(
-                args.model, n_ctx=args.ctx, n_threads=args.threads,
-                chat_format=args.chat_format, model_name=args.model_name,
-            )
-
-        label = args.model_name or os.path.basename(args.model)
     try:
-        curve_keys = curve_cli.client_keys_from(args)
+        settings = settings_for(args)
+    except ConfigError as exc:
+        return _fail(log, ExitCode.USAGE, "%s", exc)
+    if settings.engine not in ENGINES:
+        return _fail(log, ExitCode.USAGE, "unknown engine %r; one of %s",
+                     settings.engine, ", ".join(ENGINES))
+    if settings.engine == "synthetic":
+        log.info("synthetic engine at %g tokens/s: no model is loaded",
+                 settings.tokens_per_second)
+    elif not settings.model_path:
+        return _fail(log, ExitCode.USAGE, "--model PATH (or LLAMAPOOL_MODEL) is "
+                     "required with --engine llama.cpp (the default)")
+    elif not os.path.isfile(settings.model_path):
+        return _fail(log, ExitCode.MODEL_LOAD, "model file not found: %s",
+                     settings.model_path)
+    try:
+        worker = ModelWorker(settings, lambda: load_engine(settings), settings.label,
+                             notifier=sd_notify.Notifier())
     except CurveKeyError as exc:
-        log.error("%s", exc)
-        return EXIT_CURVE_KEYS
+        return _fail(log, ExitCode.CURVE_KEYS, "%s", exc)
     stop = StopFlag().install()
-    worker = ModelWorker(WorkerSettings(
-        broker_endpoint=args.broker,
-        heartbeat_interval_s=args.heartbeat_interval_s,
-        heartbeat_liveness=args.heartbeat_liveness,
-        stall_timeout_s=args.stall_timeout_s,
-        shutdown_grace_s=args.shutdown_grace_s,
-        curve=curve_keys,
-    ), load_engine, label, notifier=sd_notify.Notifier())
-    if args.metrics_port:
+    if settings.metrics_port:
         from workers.model.metrics import serve_worker_metrics
 
-        serve_worker_metrics(worker, args.metrics_port)
+        serve_worker_metrics(worker, settings.metrics_port)
     try:
         worker.run(stop)
     except EngineLoadError as exc:
-        log.error("cannot load model %s: %s", args.model or label, exc)
-        return EXIT_MODEL_LOAD
-    return EXIT_OK
+        return _fail(log, ExitCode.MODEL_LOAD, "cannot load model %s: %s",
+                     settings.model_path or settings.label, exc)
+    return ExitCode.OK
 
 
-def api_keys_from(args: argparse.Namespace) -> list[str]:
-    keys = list(args.api_key)
-    keys += [k.strip() for k in os.environ.get("LLAMAPOOL_API_KEYS", "").split(",")]
-    return [k for k in keys if k]
+def _absolute(path: str) -> str:
+    return os.path.abspath(path) if path else ""
 
 
 def run_frontend(args: argparse.Namespace) -> int:
     from frontend.auth import key_suffix
     from frontend.settings import read_key_file
-    from llamapool.serve import exec_gunicorn, frontend_env
+    from llamapool.serve import exec_gunicorn
 
-    keys = api_keys_from(args)
-    shown = keys or (read_key_file(args.api_key_file) if args.api_key_file else [])
     log = logging.getLogger("llamapool.frontend")
-    if shown:
-        log.info("API keys required; first key ends in ...%s", key_suffix(shown[0]))
+    try:
+        settings = settings_for(args)
+        keys = list(settings.api_keys)
+        if settings.api_key_file:
+            keys += read_key_file(settings.api_key_file)
+    except (ConfigError, OSError) as exc:
+        return _fail(log, ExitCode.USAGE, "%s", exc)
+    if keys:
+        log.info("API keys required; first key ends in ...%s", key_suffix(keys[0]))
     else:
         log.warning("no API key set: every endpoint is open")
     try:
-        curve_cli.client_keys_from(args)  # fail here, not in every gunicorn worker
+        # Fail here, once, not in every gunicorn worker.
+        client_keys(settings.curve_server_key, settings.curve_secret_key)
     except CurveKeyError as exc:
-        log.error("%s", exc)
-        return EXIT_CURVE_KEYS
-    exec_gunicorn(frontend_env(
-        args.broker, args.bind, keys, args.api_key_file,
-        {"LLAMAPOOL_HEARTBEAT_INTERVAL_S": str(args.heartbeat_interval_s),
-         "LLAMAPOOL_HEARTBEAT_LIVENESS": str(args.heartbeat_liveness),
-         "LLAMAPOOL_TOKENIZER_MODEL": args.model or "",
-         "LLAMAPOOL_CHAT_FORMAT": args.chat_format or "",
-         "LLAMAPOOL_CTX": str(args.ctx),
-         "LLAMAPOOL_LOG_LEVEL": args.log_level,
-         "LLAMAPOOL_LOG_FORMAT": args.log_format,
-         **curve_cli.client_key_env(args)},
-    ))
-    return EXIT_OK  # not reached
+        return _fail(log, ExitCode.CURVE_KEYS, "%s", exc)
+    # gunicorn's workers read the settings back from the environment
+    # (``llamapool.wsgi``); file paths are made absolute for them.
+    settings = dataclasses.replace(
+        settings,
+        api_key_file=_absolute(settings.api_key_file),
+        curve_server_key=_absolute(settings.curve_server_key),
+        curve_secret_key=_absolute(settings.curve_secret_key),
+    )
+    exec_gunicorn({
+        **os.environ,
+        **to_env(settings),
+        "LLAMAPOOL_BIND": args.bind,
+        "LLAMAPOOL_LOG_LEVEL": args.log_level,
+        "LLAMAPOOL_LOG_FORMAT": args.log_format,
+    })
+    return ExitCode.OK  # not reached
 
 
 def run_make_test_model(args: argparse.Namespace) -> int:
     from llamapool.test_model import write_test_model
 
-    write_test_model(args.path)
+    try:
+        write_test_model(args.path)
+    except ModuleNotFoundError as exc:
+        print(f"llamapool make-test-model needs {exc.name}: "
+              "pip install 'llamapool[test]'", file=sys.stderr)
+        return ExitCode.USAGE
     print(args.path)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    try:
-        from llamapool import loadgen
-    except ImportError as exc:
-        print(f"llamapool bench needs httpx ({exc}); pip install httpx",
-              file=sys.stderr)
-        return EXIT_USAGE
+    from llamapool import loadgen
+
     if args.prompt_file and not os.path.isfile(args.prompt_file):
         print(f"llamapool bench: no such prompt file: {args.prompt_file}",
               file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     return loadgen.main(args)
 
 
@@ -360,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": run_bench,
         "keygen": curve_cli.run_keygen,
     }
-    return handlers[args.command](args)
+    return int(handlers[args.command](args))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """CURVE on the command line: the flags, and ``llamapool keygen``.
 
-Every flag also reads a ``LLAMAPOOL_*`` variable, so systemd environment
-files can carry the key paths.
+The key-path flags themselves are settings of each process (see
+``llamapool.cli``), so systemd environment files can carry them as
+``LLAMAPOOL_CURVE_*`` variables.
 
 ``llamapool keygen DIR`` writes::
 
@@ -27,57 +28,13 @@ from pathlib import Path
 
 from zmq.auth import create_certificates
 
+from llamapool.exit_codes import ExitCode
 from protocol import curve
 
 BROKER_NAME = "broker"
 DEFAULT_CLIENTS = ("worker", "frontend")
 AUTHORIZED_SUBDIR = "authorized"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-
-def _env(name: str) -> str:
-    return os.environ.get(name, "")
-
-
-def add_server_flags(p: argparse.ArgumentParser) -> None:
-    """The broker's flags: its secret key, the allow-list, the opt-out."""
-    p.add_argument("--curve-secret-key", default=_env("LLAMAPOOL_CURVE_SECRET_KEY"),
-                   help="the broker's .key_secret file (enables CURVE); "
-                        "LLAMAPOOL_CURVE_SECRET_KEY")
-    p.add_argument("--curve-authorized-dir",
-                   default=_env("LLAMAPOOL_CURVE_AUTHORIZED_DIR"),
-                   help="directory of the public .key files allowed to connect; "
-                        "LLAMAPOOL_CURVE_AUTHORIZED_DIR")
-    p.add_argument("--insecure-plaintext", action="store_true",
-                   default=_env("LLAMAPOOL_INSECURE_PLAINTEXT") in ("1", "true"),
-                   help="allow binding a non-loopback endpoint without CURVE")
-
-
-def add_client_flags(p: argparse.ArgumentParser) -> None:
-    """A worker's or frontend's flags: the broker's public key, its own pair."""
-    p.add_argument("--curve-server-key", default=_env("LLAMAPOOL_CURVE_SERVER_KEY"),
-                   help="the broker's public .key file; LLAMAPOOL_CURVE_SERVER_KEY")
-    p.add_argument("--curve-secret-key", default=_env("LLAMAPOOL_CURVE_SECRET_KEY"),
-                   help="this peer's .key_secret file; LLAMAPOOL_CURVE_SECRET_KEY")
-
-
-def client_keys_from(args: argparse.Namespace) -> curve.ClientKeys | None:
-    """Load the client keys the flags name (None: plaintext).
-
-    Raises:
-        CurveKeyError: a file is missing or bad, or only one flag is set.
-    """
-    return curve.client_keys(args.curve_server_key, args.curve_secret_key)
-
-
-def client_key_env(args: argparse.Namespace) -> dict[str, str]:
-    """The key paths as ``LLAMAPOOL_*`` variables for gunicorn's workers."""
-    return {
-        "LLAMAPOOL_CURVE_SERVER_KEY": os.path.abspath(args.curve_server_key)
-        if args.curve_server_key else "",
-        "LLAMAPOOL_CURVE_SECRET_KEY": os.path.abspath(args.curve_secret_key)
-        if args.curve_secret_key else "",
-    }
 
 
 def add_keygen_parser(sub) -> None:
@@ -140,7 +97,7 @@ def run_keygen(args: argparse.Namespace) -> int:
         report = write_keys(args.dir, args.client)
     except (ValueError, OSError) as exc:
         print(f"llamapool keygen: {exc}")
-        return 2
+        return ExitCode.USAGE
     for line in report:
         print(line)
-    return 0
+    return ExitCode.OK

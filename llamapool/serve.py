@@ -1,7 +1,8 @@
 """``llamapool frontend``: run gunicorn on the Falcon app.
 
 The app is forked into gunicorn workers, so settings travel as ``LLAMAPOOL_*``
-environment variables (read by ``frontend.settings``).
+environment variables (``protocol.settings.to_env``; ``llamapool.wsgi`` reads
+them back into ``frontend.settings.FrontendSettings``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-#: Exit code when the gunicorn config cannot be found.
-EXIT_NO_CONFIG = 4
+from llamapool.exit_codes import ExitCode
 
 
 def gunicorn_config_path() -> Path:
@@ -23,30 +23,12 @@ def gunicorn_config_path() -> Path:
     return Path(__file__).resolve().parent.parent / "deploy" / "gunicorn.conf.py"
 
 
-def frontend_env(
-    broker: str,
-    bind: str,
-    api_keys: list[str],
-    api_key_file: str | None,
-    extra: dict[str, str] | None = None,
-) -> dict[str, str]:
-    env = dict(os.environ)
-    env["LLAMAPOOL_BROKER"] = broker
-    env["LLAMAPOOL_BIND"] = bind
-    if api_keys:
-        env["LLAMAPOOL_API_KEYS"] = ",".join(api_keys)
-    if api_key_file:
-        env["LLAMAPOOL_API_KEY_FILE"] = api_key_file
-    env.update(extra or {})
-    return env
-
-
 def gunicorn_argv() -> list[str]:
     config = gunicorn_config_path()
     if not config.is_file():
         print(f"llamapool frontend: gunicorn config not found at {config}; set "
               "LLAMAPOOL_GUNICORN_CONFIG", file=sys.stderr)
-        sys.exit(EXIT_NO_CONFIG)
+        sys.exit(ExitCode.NO_CONFIG)
     return [sys.executable, "-m", "gunicorn", "-c", str(config), "llamapool.wsgi:app"]
 
 

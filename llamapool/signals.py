@@ -10,8 +10,10 @@ import os
 import signal
 import threading
 
+from llamapool.exit_codes import ExitCode
+
 #: Exit code used when a second signal forces an immediate exit.
-EXIT_FORCED = 130
+EXIT_FORCED = ExitCode.FORCED
 
 
 class StopFlag:

@@ -26,6 +26,7 @@ import time
 import urllib.error
 import urllib.request
 
+from llamapool.exit_codes import NOT_RESTARTABLE, ExitCode
 from llamapool.signals import StopFlag
 
 log = logging.getLogger("llamapool.up")
@@ -55,15 +56,19 @@ def _die_with_parent() -> None:
 
 
 class Child:
-    """One supervised process."""
+    """One supervised process of role ``role`` (broker, worker or frontend)."""
 
-    def __init__(self, name: str, argv: list[str]) -> None:
+    def __init__(self, name: str, role: str, argv: list[str]) -> None:
         self.name = name
+        self.role = role
         self.argv = argv
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.backoff_s = 1.0
         self.restart_at: float | None = None
+        #: The exit code, once the child exited in a way a restart would only
+        #: repeat (``NOT_RESTARTABLE``); None while it is supervised.
+        self.given_up: int | None = None
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -72,14 +77,27 @@ class Child:
         self.started_at = time.monotonic()
 
     def check(self, now: float) -> None:
-        """Restart the child if it died, waiting out its backoff first."""
+        """Restart the child if it died, waiting out its backoff first.
+
+        A child that exited with a code in ``NOT_RESTARTABLE`` (a usage or
+        key error) is not restarted, as its systemd unit would not be.
+        """
+        if self.given_up is not None:
+            return
         if self.proc is None or self.proc.poll() is None:
             if self.proc is not None and now - self.started_at > 60:
                 self.backoff_s = 1.0  # it ran long enough: forgive past crashes
             return
+        code = self.proc.returncode
+        if code in NOT_RESTARTABLE[self.role]:
+            log.error("%s (pid %d) exited with %s (%s): not restarting it; fix "
+                      "the cause and start the pool again", self.name,
+                      self.proc.pid, code, ExitCode(code).name)
+            self.given_up = code
+            return
         if self.restart_at is None:
             log.warning("%s (pid %d) exited with %s; restarting in %.0fs",
-                        self.name, self.proc.pid, self.proc.returncode, self.backoff_s)
+                        self.name, self.proc.pid, code, self.backoff_s)
             self.restart_at = now + self.backoff_s
             self.backoff_s = min(RESTART_BACKOFF_MAX_S, self.backoff_s * 2)
         elif now >= self.restart_at:
@@ -110,40 +128,52 @@ def _health_ok(url: str) -> bool:
         return False
 
 
+def _forwarded(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
+    """The given ones of ``flags`` (field -> flag), as argv for a child."""
+    argv: list[str] = []
+    for field, flag in flags.items():
+        value = getattr(args, field, None)
+        if value is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            argv += [flag, str(item)]
+    return argv
+
+
 def run_up(args: argparse.Namespace) -> int:
     stop = StopFlag().install()
     model = args.model or default_model_path()
     # The default model is a base model without a usable template: use the
     # gemma turn format for chat.
-    chat_format = args.chat_format or (None if args.model else "gemma")
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    if getattr(args, "chat_format", None) is None and not args.model:
+        args.chat_format = "gemma"
+    if getattr(args, "n_threads", None) is None:
+        args.n_threads = max(1, (os.cpu_count() or 1) // args.workers)
     rundir = tempfile.mkdtemp(prefix="llamapool-")
     frontends_ep = f"ipc://{rundir}/frontends"
     workers_ep = f"ipc://{rundir}/workers"
     cli = [sys.executable, "-m", "llamapool", "--log-level", args.log_level,
            "--log-format", args.log_format]
-    liveness = ["--heartbeat-interval-s", str(args.heartbeat_interval_s),
-                "--heartbeat-liveness", str(args.heartbeat_liveness)]
+    # Flags not given are not passed: each child then reads the same
+    # LLAMAPOOL_* variable, or falls back to the same default.
+    liveness = _forwarded(args, {"heartbeat_interval_s": "--heartbeat-interval-s",
+                                 "heartbeat_liveness": "--heartbeat-liveness"})
+    shared = _forwarded(args, {"n_ctx": "--ctx", "chat_format": "--chat-format"})
     worker_argv = [*cli, "worker", "--broker", workers_ep, "--model", model,
-                   "--threads", str(threads), "--ctx", str(args.ctx), *liveness]
-    if chat_format:
-        worker_argv += ["--chat-format", chat_format]
-    if args.model_name:
-        worker_argv += ["--model-name", args.model_name]
+                   *shared, *liveness,
+                   *_forwarded(args, {"n_threads": "--threads",
+                                      "model_name": "--model-name"})]
     frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
                      "--bind", f"{args.host}:{args.port}", "--model", model,
-                     "--ctx", str(args.ctx), *liveness]
-    if chat_format:
-        frontend_argv += ["--chat-format", chat_format]
-    for key in args.api_key:
-        frontend_argv += ["--api-key", key]
-    if args.api_key_file:
-        frontend_argv += ["--api-key-file", args.api_key_file]
+                     *shared, *liveness,
+                     *_forwarded(args, {"api_keys": "--api-key",
+                                        "api_key_file": "--api-key-file"})]
 
-    broker = Child("broker", [*cli, "broker", "--frontends", frontends_ep,
-                              "--workers", workers_ep, *liveness])
-    workers = [Child(f"worker-{i}", worker_argv) for i in range(args.workers)]
-    frontend = Child("frontend", frontend_argv)
+    broker = Child("broker", "broker", [*cli, "broker", "--frontends", frontends_ep,
+                                        "--workers", workers_ep, *liveness])
+    workers = [Child(f"worker-{i}", "worker", worker_argv)
+               for i in range(args.workers)]
+    frontend = Child("frontend", "frontend", frontend_argv)
     children = [broker, *workers, frontend]
     for child in children:
         child.start()
@@ -155,6 +185,12 @@ def run_up(args: argparse.Namespace) -> int:
             now = time.monotonic()
             for child in children:
                 child.check(now)
+            fatal = [c.given_up for c in (broker, frontend) if c.given_up] or (
+                [workers[0].given_up]
+                if all(w.given_up for w in workers) else [])
+            if fatal:
+                log.error("the pool cannot run; stopping")
+                return fatal[0]
             if not announced and _health_ok(url + "/health"):
                 print(f"llamapool ready at {url}/v1 ({args.workers} workers, "
                       f"model {os.path.basename(model)})", flush=True)
@@ -169,4 +205,4 @@ def run_up(args: argparse.Namespace) -> int:
             for child in group:
                 child.wait(deadline)
         shutil.rmtree(rundir, ignore_errors=True)
-    return 0
+    return ExitCode.OK

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-from gguf import GGUFWriter, LlamaFileType, TokenType
-
 # Fixed token ids, in the usual SentencePiece llama layout, so tests can
 # refer to them directly.
 UNK_ID = 0
@@ -45,6 +42,8 @@ _PUNCT = list(".,!?;:'\"-()")
 
 
 def _vocab() -> tuple[list[str], list[float], list[int]]:
+    from gguf import TokenType
+
     """Build the SPM vocabulary.
 
     Returns:
@@ -95,6 +94,10 @@ def write_test_model(path: str | os.PathLike[str], *, seed: int = 0) -> None:
         path: Destination file; overwritten if it exists.
         seed: Seed for the weights; same seed gives a byte-identical file.
     """
+    # Imported here: gguf and numpy are test dependencies, not the server's.
+    import numpy as np
+    from gguf import GGUFWriter, LlamaFileType
+
     pieces, scores, types = _vocab()
     n_vocab = len(pieces)
     im_end_id = pieces.index("<|im_end|>")

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from llamapool import cli
+from llamapool.exit_codes import NOT_RESTARTABLE
 from tests.system_tools import require_tool
 from workers.broker.security import BrokerSecurity
-from workers.model.worker import WorkerSettings
+from workers.model.settings import WorkerSettings
 
 UNIT_DIR = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 INSTALLED_BIN = "/opt/llamapool/venv/bin/llamapool"
@@ -179,12 +180,22 @@ def test_execstart_parses_with_the_example_env(unit, example, monkeypatch):
     argv = expand(command, env)
     assert argv[0] == INSTALLED_BIN
     args = cli.build_parser().parse_args(argv[1:])
+    settings = cli.settings_for(args)  # flags over the example's variables
     if args.command == "broker":
         # Network endpoints, with CURVE: the bind policy lets it through.
-        BrokerSecurity(args.curve_secret_key, args.curve_authorized_dir,
-                       args.insecure_plaintext).check_endpoints(
-            (args.frontends, args.workers))
-        assert args.curve_authorized_dir
+        BrokerSecurity(settings.curve_secret_key, settings.curve_authorized_dir,
+                       settings.insecure_plaintext).check_endpoints(
+            (settings.frontends_endpoint, settings.workers_endpoint))
+        assert settings.curve_authorized_dir
     else:
-        assert args.curve_server_key and args.curve_secret_key
-        assert args.broker.startswith("tcp://")
+        assert settings.curve_server_key and settings.curve_secret_key
+        assert settings.broker_endpoint.startswith("tcp://")
+
+
+@pytest.mark.parametrize("unit", list(SERVICES))
+def test_restart_prevented_exactly_where_llamapool_up_gives_up(unit):
+    """systemd and ``llamapool up`` agree on which exits a restart cannot fix."""
+    svc = parse_unit(unit_file(unit))["Service"]
+    role = re.match(r"llamapool-(\w+)", unit).group(1)
+    (listed,) = svc["RestartPreventExitStatus"]
+    assert {int(code) for code in listed.split()} == set(NOT_RESTARTABLE[role])

@@ -20,7 +20,6 @@ unknown identity get DISCONNECT and register again, which rebuilds it.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 
@@ -33,24 +32,13 @@ from workers.broker import ledger as ledger_mod
 from workers.broker.metrics import LatestSnapshotCollector
 from workers.broker.pool_stats import PoolStats
 from workers.broker.security import BrokerSecurity
+from workers.broker.settings import BrokerSettings
 
 log = logging.getLogger("llamapool.broker")
 
 #: Messages handled per socket per poll round, so one busy side cannot
 #: starve the other or the heartbeat timer.
 _BATCH = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class BrokerSettings:
-    frontends_endpoint: str
-    workers_endpoint: str
-    heartbeat_interval_s: float = timing.HEARTBEAT_INTERVAL_S
-    heartbeat_liveness: int = timing.HEARTBEAT_LIVENESS
-    #: CURVE (see ``workers.broker.security``); empty paths mean plaintext.
-    curve_secret_key: str = ""
-    curve_authorized_dir: str = ""
-    insecure_plaintext: bool = False
 
 
 class Broker:

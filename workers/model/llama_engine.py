@@ -15,6 +15,7 @@ import time
 
 import llama_cpp
 
+from protocol import defaults
 from workers.model import kv_cache
 from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.engine import (
@@ -40,7 +41,7 @@ class LlamaEngine:
         self,
         model_path: str,
         *,
-        n_ctx: int = 2048,
+        n_ctx: int = defaults.N_CTX,
         n_threads: int | None = None,
         n_batch: int = 512,
         chat_format: str | None = None,

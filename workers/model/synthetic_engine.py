@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+from protocol import defaults
 from workers.model.engine import GenerationResult, JobSink, TokenOutput, token_budget
 
 DEFAULT_TOKENS_PER_SECOND = 50.0
@@ -52,7 +53,7 @@ class SyntheticEngine:
         self,
         *,
         tokens_per_second: float = DEFAULT_TOKENS_PER_SECOND,
-        n_ctx: int = 2048,
+        n_ctx: int = defaults.N_CTX,
         model_name: str | None = None,
     ) -> None:
         if tokens_per_second <= 0:

@@ -16,7 +16,6 @@ grace period or end it with an ERROR, tell the broker, exit 0.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
@@ -28,26 +27,13 @@ from collections.abc import Callable
 
 import zmq
 
-from protocol import messages, timing
-from protocol.curve import ClientKeys
+from protocol import messages
+from protocol.curve import client_keys
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from workers.model.engine import Engine, RequestRejected
+from workers.model.settings import WorkerSettings
 
 log = logging.getLogger("llamapool.worker")
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerSettings:
-    broker_endpoint: str
-    heartbeat_interval_s: float = timing.HEARTBEAT_INTERVAL_S
-    heartbeat_liveness: int = timing.HEARTBEAT_LIVENESS
-    credit_window_frames: int = timing.CREDIT_WINDOW_FRAMES
-    stall_timeout_s: float = timing.STALL_TIMEOUT_S
-    #: After SIGTERM, how long the running job may continue before it is ended.
-    shutdown_grace_s: float = 30.0
-    worker_name: str = ""
-    #: CURVE keys for the link to the broker (``protocol.curve``); None: plaintext.
-    curve: ClientKeys | None = None
 
 
 _NONE, _SENT, _CONFIRMED = "none", "sent", "confirmed"
@@ -139,6 +125,9 @@ class ModelWorker:
         notifier: ServiceNotifier | None = None,
     ) -> None:
         self.settings = settings
+        #: CURVE keys for the link to the broker; None: plaintext.
+        #: Raises ``CurveKeyError`` here, before any socket exists.
+        self.curve = client_keys(settings.curve_server_key, settings.curve_secret_key)
         self._load_engine = load_engine
         self.model_label = model_label
         #: None until the model has loaded; the I/O thread sends LOADING
@@ -236,8 +225,8 @@ class ModelWorker:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 500)
         sock.setsockopt(zmq.SNDHWM, 0)
-        if self.settings.curve is not None:
-            self.settings.curve.apply(sock)
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.connect(self.settings.broker_endpoint)
         return sock
 

@@ -1,0 +1,31 @@
+"""Building the engine a worker's settings name.
+
+Imports of the engines are deferred so that a synthetic worker never loads
+llama-cpp-python, and a llama.cpp worker never pays for the stand-in.
+"""
+
+from __future__ import annotations
+
+from workers.model.engine import Engine
+from workers.model.settings import WorkerSettings
+
+
+def load_engine(settings: WorkerSettings) -> Engine:
+    """Load the engine (the model, for llama.cpp); may take seconds."""
+    if settings.engine == "synthetic":
+        from workers.model.synthetic_engine import SyntheticEngine
+
+        return SyntheticEngine(
+            tokens_per_second=settings.tokens_per_second,
+            n_ctx=settings.n_ctx,
+            model_name=settings.model_name or None,
+        )
+    from workers.model.llama_engine import LlamaEngine
+
+    return LlamaEngine(
+        settings.model_path,
+        n_ctx=settings.n_ctx,
+        n_threads=settings.n_threads or None,
+        chat_format=settings.chat_format,
+        model_name=settings.model_name or None,
+    )

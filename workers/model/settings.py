@@ -1,0 +1,92 @@
+"""A model worker's settings: one frozen object from flags and ``LLAMAPOOL_*``.
+
+A flag given to ``llamapool worker`` wins over its variable, which wins over
+the default (``protocol.settings.load``). The engine's settings (model,
+context, threads, chat format) are here too, so one object says everything a
+worker process does. Every default is documented here:
+
+| variable                       | default     | meaning                           |
+|--------------------------------|-------------|-----------------------------------|
+| LLAMAPOOL_BROKER               | (required)  | broker workers endpoint           |
+| LLAMAPOOL_ENGINE               | llama.cpp   | llama.cpp or synthetic (no model) |
+| LLAMAPOOL_MODEL                | (none)      | GGUF file (llama.cpp engine)      |
+| LLAMAPOOL_CTX                  | 2048        | context tokens per slot           |
+| LLAMAPOOL_THREADS              | 0           | llama.cpp threads (0: its choice) |
+| LLAMAPOOL_CHAT_FORMAT          | (template)  | named chat format, e.g. gemma     |
+| LLAMAPOOL_MODEL_NAME           | (file name) | name in /v1/models                |
+| LLAMAPOOL_TOKENS_PER_SECOND    | 50.0        | synthetic engine output rate      |
+| LLAMAPOOL_HEARTBEAT_INTERVAL_S | 1.0         | heartbeat to the broker           |
+| LLAMAPOOL_HEARTBEAT_LIVENESS   | 3           | missed beats = broker lost        |
+| LLAMAPOOL_CREDIT_WINDOW_FRAMES | 256         | TOKEN frames before a pause       |
+| LLAMAPOOL_STALL_TIMEOUT_S      | 60.0        | paused job cancelled after        |
+| LLAMAPOOL_SHUTDOWN_GRACE_S     | 30.0        | after SIGTERM, the job may finish |
+| LLAMAPOOL_WORKER_NAME          | (host:pid)  | name in logs and /slots           |
+| LLAMAPOOL_CURVE_SERVER_KEY     | (none)      | the broker's public .key (CURVE)  |
+| LLAMAPOOL_CURVE_SECRET_KEY     | (none)      | own .key_secret (CURVE)           |
+| LLAMAPOOL_WORKER_METRICS_PORT  | 0           | port for own /metrics (0: off)    |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from protocol import defaults, timing
+from protocol.settings import setting
+
+#: Engines a worker can run (``--engine``); llama.cpp is the only real one.
+ENGINES = ("llama.cpp", "synthetic")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    broker_endpoint: str = setting(
+        dataclasses.MISSING, "LLAMAPOOL_BROKER",
+        "broker workers endpoint")
+    engine: str = setting(
+        "llama.cpp", "LLAMAPOOL_ENGINE",
+        "llama.cpp or synthetic (no model)")
+    model_path: str = setting(
+        "", "LLAMAPOOL_MODEL", "GGUF file (llama.cpp engine)")
+    n_ctx: int = setting(defaults.N_CTX, "LLAMAPOOL_CTX", "context tokens per slot")
+    n_threads: int = setting(
+        0, "LLAMAPOOL_THREADS", "llama.cpp threads (0: its choice)")
+    chat_format: str | None = setting(
+        None, "LLAMAPOOL_CHAT_FORMAT", "named chat format, e.g. gemma",
+        shown="(template)")
+    model_name: str = setting(
+        "", "LLAMAPOOL_MODEL_NAME", "name in /v1/models", shown="(file name)")
+    tokens_per_second: float = setting(
+        50.0, "LLAMAPOOL_TOKENS_PER_SECOND", "synthetic engine output rate")
+    heartbeat_interval_s: float = setting(
+        timing.HEARTBEAT_INTERVAL_S, "LLAMAPOOL_HEARTBEAT_INTERVAL_S",
+        "heartbeat to the broker")
+    heartbeat_liveness: int = setting(
+        timing.HEARTBEAT_LIVENESS, "LLAMAPOOL_HEARTBEAT_LIVENESS",
+        "missed beats = broker lost")
+    credit_window_frames: int = setting(
+        timing.CREDIT_WINDOW_FRAMES, "LLAMAPOOL_CREDIT_WINDOW_FRAMES",
+        "TOKEN frames before a pause")
+    stall_timeout_s: float = setting(
+        timing.STALL_TIMEOUT_S, "LLAMAPOOL_STALL_TIMEOUT_S",
+        "paused job cancelled after")
+    #: After SIGTERM, how long the running job may continue before it is ended.
+    shutdown_grace_s: float = setting(
+        30.0, "LLAMAPOOL_SHUTDOWN_GRACE_S", "after SIGTERM, the job may finish")
+    worker_name: str = setting(
+        "", "LLAMAPOOL_WORKER_NAME", "name in logs and /slots", shown="(host:pid)")
+    #: CURVE key files for the link to the broker (``protocol.curve``).
+    curve_server_key: str = setting(
+        "", "LLAMAPOOL_CURVE_SERVER_KEY", "the broker's public .key (CURVE)")
+    curve_secret_key: str = setting(
+        "", "LLAMAPOOL_CURVE_SECRET_KEY", "own .key_secret (CURVE)")
+    metrics_port: int = setting(
+        0, "LLAMAPOOL_WORKER_METRICS_PORT", "port for own /metrics (0: off)")
+
+    @property
+    def label(self) -> str:
+        """The model's name before it has loaded (for LOADING heartbeats)."""
+        if self.model_name:
+            return self.model_name
+        if self.engine == "synthetic":
+            return "synthetic"
+        return self.model_path.rsplit("/", 1)[-1]
