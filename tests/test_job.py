@@ -207,6 +207,5 @@ def test_llama_cpp_shaped_503_bodies():
 def test_error_frames_carry_no_status_on_the_wire():
     msg = messages.Error("j", ErrorCode.CLIENT_STALLED, "m")
     assert messages.decode(msg.to_wire()) == msg
-    assert [f.name for f in messages.Error.__dataclass_fields__.values()] == [
-        "job_id", "code", "message"]
+    assert list(messages.Error.FIELD_TYPES) == ["job_id", "code", "message"]
     assert messages.PROTOCOL_HEADER == b"LLAMAPOOL02"

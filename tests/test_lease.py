@@ -110,6 +110,14 @@ class LeaseMachine(RuleBasedStateMachine):
         if b"[DONE]" in event or b'"error"' in event:
             self.finished_reading = True
 
+    @precondition(lambda self: self.body is not None and not self.finished_reading)
+    @rule()
+    def gunicorn_reads_until_the_stream_ends(self):
+        # A client that keeps reading: every frame queued so far, then the
+        # terminal frame or, if none was queued, the frame timeout.
+        while not self.finished_reading:
+            self.gunicorn_reads_an_event()
+
     @precondition(lambda self: self.body is not None)
     @rule()
     def client_disconnects(self):
