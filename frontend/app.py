@@ -17,7 +17,13 @@ import falcon
 from frontend import metrics, openai_schema
 from frontend.auth import ApiKeyMiddleware
 from frontend.broker_link import BrokerLink
-from frontend.errors import BadRequest, PayloadTooLarge, install_error_handlers
+from frontend.errors import (
+    BadRequest,
+    PayloadTooLarge,
+    Unavailable,
+    install_error_handlers,
+    write_error,
+)
 from frontend.generation import collect, start_job
 from frontend.openai_format import ResponseShaper
 from frontend.prompt_gate import PromptGate
@@ -25,6 +31,7 @@ from frontend.request_log import RequestLogMiddleware
 from frontend.settings import FrontendSettings
 from frontend.sse import EventStreamBody
 from protocol.curve import client_keys
+from protocol.errors import ErrorCode
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
@@ -104,6 +111,7 @@ class GenerationResource:
             parsed.generation,
             submit_timeout_s=s.submit_timeout_s,
             frame_timeout_s=s.frame_timeout_s,
+            credit_batch_frames=s.credit_batch_frames,
             outcome=record.expect_job(),
             on_release=record.lease_released,
         )
@@ -118,26 +126,16 @@ class GenerationResource:
         # Which gunicorn process holds the lease: for operators and fault tests.
         resp.set_header("X-Frontend-Pid", str(os.getpid()))
         if not parsed.stream:
-            text, final = collect(job, self.link, s.frame_timeout_s,
-                                  s.credit_batch_frames)
+            text, final = collect(job)
             resp.media = shaper.whole(text, final.finish_reason, final.usage,
                                       final.timings)
             return
         tune_stream_socket(req, s.stream_sndbuf_bytes)
-        # From here on the body owns the lease.
+        # From here on the body owns the job, and with it the lease.
         resp.content_type = "text/event-stream"
         resp.set_header("Cache-Control", "no-cache")
         resp.set_header("X-Accel-Buffering", "no")
-        resp.stream = EventStreamBody(
-            job.lease,
-            job.stream,
-            shaper,
-            job.first,
-            frame_timeout_s=s.frame_timeout_s,
-            credit_batch_frames=s.credit_batch_frames,
-            send=self.link.send,
-            outcome=job.outcome,
-        )
+        resp.stream = EventStreamBody(job, shaper)
 
 
 class LedgerView:
@@ -156,9 +154,8 @@ class LedgerView:
         """The broker's snapshot, or None after answering 503 for it."""
         status = self.link.status(self.settings.health_timeout_s)
         if status is None:
-            resp.status = 503
-            resp.media = {"error": {"code": 503, "message": "broker unreachable",
-                                    "type": "unavailable_error"}}
+            write_error(resp, Unavailable(ErrorCode.BROKER_UNREACHABLE,
+                                          "broker unreachable"))
         return status
 
 
@@ -192,9 +189,7 @@ class HealthResource(LedgerView):
         if status is None:
             return
         if status["slots_total"] == 0:
-            resp.status = 503
-            resp.media = {"error": {"code": 503, "message": "Loading model",
-                                    "type": "unavailable_error"}}
+            write_error(resp, Unavailable(ErrorCode.LOADING_MODEL, "Loading model"))
             return
         resp.media = {
             "status": "ok",

@@ -25,6 +25,7 @@ import zmq
 from frontend import metrics
 from protocol import messages
 from protocol.curve import ClientKeys
+from protocol.errors import ErrorCode
 
 log = logging.getLogger("llamapool.frontend")
 
@@ -246,4 +247,4 @@ class BrokerLink:
     def _fail_all(self, code: str, message: str, accepted_only: bool = False) -> None:
         for job_id, stream in list(self._streams.items()):
             if stream.accepted or not accepted_only:
-                stream.put(messages.Error(job_id, code, message, 503))
+                stream.put(messages.Error(job_id, ErrorCode(code), message))

@@ -1,19 +1,75 @@
-"""Domain errors and their one mapping to HTTP (``install_error_handlers``).
+"""Domain errors and their one mapping to HTTP.
 
+Two kinds of error reach a client. The frontend's own refusals of a request
+(a malformed body, a missing key) are ``ApiError`` subclasses with their
+status. Failures of the pool are named by a domain code
+(``protocol.errors.ErrorCode``), whoever detected them, and ``HTTP_FORMS``
+is the one table that says which HTTP status and OpenAI error type each code
+gets: for an error answered before the headers (``PoolError``), for the 503
+bodies of ``/health`` and ``/slots``, and for the error event that ends a
+stream (``ResponseShaper.error_event``). Before, each producer sent its own
+HTTP status on the wire and the SSE event always said ``server_error``.
+
+Exceptions become HTTP responses in one place, ``install_error_handlers``.
 Bodies follow OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``; the 401 and 503 bodies match llama.cpp's server exactly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
 import falcon
 
 from frontend import metrics
+from protocol import messages
+from protocol.errors import ErrorCode
 
 log = logging.getLogger("llamapool.frontend")
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+UNAVAILABLE = "unavailable_error"
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpForm:
+    """How a domain code is shown to an HTTP client."""
+
+    status: int
+    type: str
+
+
+#: The one table from domain code to HTTP. A 4xx says the client must change
+#: the request; 502/504 that a part of the pool failed it; 503 that the pool
+#: cannot serve now and a retry may succeed.
+HTTP_FORMS: dict[ErrorCode, HttpForm] = {
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: HttpForm(400, INVALID_REQUEST),
+    ErrorCode.INVALID_PROMPT_TOKENS: HttpForm(400, INVALID_REQUEST),
+    ErrorCode.INVALID_MESSAGES: HttpForm(400, INVALID_REQUEST),
+    ErrorCode.DUPLICATE_JOB: HttpForm(400, INVALID_REQUEST),
+    ErrorCode.CLIENT_STALLED: HttpForm(408, INVALID_REQUEST),
+    ErrorCode.ENGINE_ERROR: HttpForm(500, SERVER_ERROR),
+    ErrorCode.WORKER_DIED: HttpForm(502, SERVER_ERROR),
+    ErrorCode.WORKER_RESTARTED: HttpForm(502, SERVER_ERROR),
+    ErrorCode.TIMEOUT: HttpForm(504, SERVER_ERROR),
+    ErrorCode.WORKER_SHUTDOWN: HttpForm(503, UNAVAILABLE),
+    ErrorCode.WORKER_BUSY: HttpForm(503, UNAVAILABLE),
+    ErrorCode.BROKER_UNREACHABLE: HttpForm(503, UNAVAILABLE),
+    ErrorCode.BROKER_RESTARTED: HttpForm(503, UNAVAILABLE),
+    ErrorCode.NO_SLOT: HttpForm(503, UNAVAILABLE),
+    ErrorCode.LOADING_MODEL: HttpForm(503, UNAVAILABLE),
+}
+
+#: A code this frontend does not know (a newer peer's): a plain server error.
+UNKNOWN_FORM = HttpForm(500, SERVER_ERROR)
+
+
+def http_form(code: str) -> HttpForm:
+    """The HTTP status and error type for a domain code."""
+    return HTTP_FORMS.get(code, UNKNOWN_FORM)
 
 
 class ApiError(Exception):
@@ -67,43 +123,53 @@ class Unauthorized(ApiError):
         super().__init__("Invalid API Key")
 
 
-class NoSlotAvailable(ApiError):
-    status = 503
+class PoolError(ApiError):
+    """A failure of the pool, named by its domain code; status and type come
+    from ``HTTP_FORMS``. The body's ``code`` is that name."""
+
+    #: llama.cpp's shape: the body's ``code`` is the HTTP status, not the name.
+    code_is_status = False
+
+    def __init__(self, code: str, message: str) -> None:
+        form = http_form(code)
+        super().__init__(
+            message, code=form.status if self.code_is_status else str(code)
+        )
+        self.domain_code = code
+        self.status = form.status
+        self.type = form.type
+
+
+class UpstreamError(PoolError):
+    """A job that failed before any output was sent: the client gets a real
+    HTTP status instead of a stream."""
+
+    @classmethod
+    def from_frame(cls, msg: messages.Error) -> UpstreamError:
+        return cls(msg.code, msg.message)
+
+
+class Unavailable(PoolError):
+    """The pool cannot serve right now, answered as llama.cpp answers its 503s
+    (``{"code": 503, "message", "type": "unavailable_error"}``)."""
+
+    code_is_status = True
+
+
+class NoSlotAvailable(Unavailable):
     reject_reason = "no_slot"
-    type = "unavailable_error"
-    code = 503
 
     def __init__(self, retry_after_s: float) -> None:
-        super().__init__("no slot available")
+        super().__init__(ErrorCode.NO_SLOT, "no slot available")
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(max(1, int(round(self.retry_after_s))))}
 
 
-class Unavailable(ApiError):
-    """The pool cannot serve right now (broker unreachable, no worker, ...)."""
-
-    status = 503
-    type = "unavailable_error"
-    code = 503
-
-
-class UpstreamError(ApiError):
-    """A worker-side failure reported before any output was sent."""
-
-    type = "server_error"
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message, code=code)
-        self.status = status
-        if 400 <= status < 500:
-            self.type = "invalid_request_error"
-        elif status == 503:
-            self.type = "unavailable_error"
-
-
-def _write(resp: falcon.Response, error: ApiError) -> None:
+def write_error(resp: falcon.Response, error: ApiError) -> None:
+    """Answer with ``error``: for the handlers below, and for responders that
+    answer an error without raising (the ledger views)."""
     resp.status = error.status
     resp.content_type = falcon.MEDIA_JSON
     resp.text = json.dumps(error.body())
@@ -117,14 +183,14 @@ def install_error_handlers(app: falcon.App) -> None:
     def on_api_error(req, resp, ex: ApiError, params) -> None:
         if ex.reject_reason is not None:
             metrics.REQUESTS_REJECTED.labels(ex.reject_reason).inc()
-        _write(resp, ex)
+        write_error(resp, ex)
 
     def on_falcon_error(req, resp, ex: falcon.HTTPError, params) -> None:
         # Falcon's own errors (404, 405, ...) in the same OpenAI shape.
         error = ApiError(ex.title + (f": {ex.description}" if ex.description else ""))
         error.status = ex.status_code
         error.type = "invalid_request_error" if ex.status_code < 500 else "server_error"
-        _write(resp, error)
+        write_error(resp, error)
         for name, value in (ex.headers or {}).items():
             resp.set_header(name, value)
 
@@ -132,7 +198,7 @@ def install_error_handlers(app: falcon.App) -> None:
         log.exception(
             "unhandled error in request %s", getattr(req.context, "request_id", "-")
         )
-        _write(resp, ApiError("internal server error"))
+        write_error(resp, ApiError("internal server error"))
 
     # Falcon picks the most specific handler, regardless of order.
     app.add_error_handler(Exception, on_unexpected)

@@ -3,31 +3,24 @@
 ``start_job`` is the setup phase: it takes the lease, submits, and waits for
 the broker's answer and the worker's first frame. Any failure in here
 releases the lease before the exception leaves (DESIGN.md: setup failures
-release too). On success the caller moves the lease into a response body
-(``EventStreamBody``) or drains it with ``collect``.
+release too), and an error the worker or broker reported becomes an HTTP
+status, since nothing was sent yet. On success the caller moves the ``Job``
+(which owns the lease) into a response body (``EventStreamBody``) or drains
+it with ``collect``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
+from collections.abc import Callable
 
-from frontend.broker_link import BrokerLink, JobStream
+from frontend.broker_link import BrokerLink
 from frontend.errors import NoSlotAvailable, Unavailable, UpstreamError
-from frontend.lease import SlotLease
-from frontend.sse import JobOutcome
+from frontend.job import Job, JobOutcome
+from frontend.lease import LeaseEnding, SlotLease
 from protocol import messages
+from protocol.errors import ErrorCode
 from protocol.prefix import prefix_blocks
-
-
-@dataclasses.dataclass
-class StartedJob:
-    lease: SlotLease
-    stream: JobStream
-    first: messages.Message  # the worker's first TOKEN / FINAL / ERROR
-    slot_id: int
-    model: str
-    outcome: JobOutcome
 
 
 def start_job(
@@ -36,75 +29,65 @@ def start_job(
     *,
     submit_timeout_s: float,
     frame_timeout_s: float,
+    credit_batch_frames: int,
     outcome: JobOutcome | None = None,
-    on_release=None,
-) -> StartedJob:
-    job_id = uuid.uuid4().hex
-    outcome = outcome or JobOutcome()
-    lease = SlotLease(job_id, link.send, link.forget, on_release)
+    on_release: Callable[[SlotLease], None] | None = None,
+) -> Job:
+    """Submit ``generation`` and wait for its first frame.
+
+    Raises:
+        NoSlotAvailable: the broker refused (every slot busy).
+        UpstreamError: the broker, the worker or the link reported an error,
+            or no answer or first frame came in time.
+        Unavailable: the broker answered something that is no answer.
+    """
+    lease = SlotLease(uuid.uuid4().hex, link.send, link.forget, on_release)
     try:
         tokens = generation.get("prompt_tokens")
-        stream = link.submit(job_id, generation,
+        stream = link.submit(lease.job_id, generation,
                              prefix_blocks(tokens) if tokens else None)
-        answer = stream.get(submit_timeout_s)
+        job = Job(lease, stream, send=link.send, frame_timeout_s=frame_timeout_s,
+                  credit_batch_frames=credit_batch_frames,
+                  outcome=outcome or JobOutcome())
+        answer = job.answer(submit_timeout_s)
         if answer is None:
-            raise Unavailable("the broker did not answer", code="broker_unreachable")
+            raise UpstreamError(ErrorCode.BROKER_UNREACHABLE,
+                                "the broker did not answer")
         if isinstance(answer, messages.NoSlot):
-            lease.release("refused")
             raise NoSlotAvailable(answer.retry_after_s)
         if isinstance(answer, messages.Error):
-            lease.release("error")
-            raise UpstreamError(answer.status, answer.code, answer.message)
+            raise UpstreamError.from_frame(answer)
         if not isinstance(answer, messages.Accepted):
-            raise Unavailable("unexpected answer from the broker")
-        first = stream.get(frame_timeout_s)
-        if first is None:
-            raise UpstreamError(504, "timeout", "no output from the worker in time")
+            raise Unavailable(ErrorCode.BROKER_UNREACHABLE,
+                              "unexpected answer from the broker")
+        first = job.first_frame()
         if isinstance(first, messages.Error):
-            # Nothing was sent yet, so the client gets a real HTTP status.
-            outcome.saw_terminal(first)
-            lease.release("error")
-            raise UpstreamError(first.status, first.code, first.message)
-        return StartedJob(
-            lease, stream, first, answer.slot_id, answer.model, outcome
-        )
+            raise UpstreamError.from_frame(first)
+        return job
     except BaseException:
-        lease.release("setup_failed")
+        lease.release(LeaseEnding.SETUP_FAILED)
         raise
 
 
-def collect(
-    job: StartedJob, link: BrokerLink, frame_timeout_s: float, credit_batch_frames: int
-) -> tuple[str, messages.Final]:
+def collect(job: Job) -> tuple[str, messages.Final]:
     """Read a job to its end for a non-streamed response.
 
-    The lease is released on every path out of here. Credit goes back as fast
-    as frames arrive: the text is buffered here, and it is bounded by
-    ``max_tokens`` and the context size.
+    The lease ends on every path out of here. Each frame is consumed as soon
+    as it is buffered, so credit goes back as fast as frames arrive; the text
+    is bounded by ``max_tokens`` and the context size.
     """
     parts: list[str] = []
-    msg = job.first
-    uncredited = 0
     try:
         while True:
+            msg = job.next_frame()
             if isinstance(msg, messages.Token):
-                job.outcome.saw_token()
                 parts.append(msg.text)
-                uncredited += 1
-                if uncredited >= credit_batch_frames:
-                    link.send(messages.Credit(job.lease.job_id, uncredited))
-                    uncredited = 0
             elif isinstance(msg, messages.Final):
-                job.outcome.saw_terminal(msg)
-                job.lease.release("eof")
                 parts.append(msg.text)
                 return "".join(parts), msg
-            elif isinstance(msg, messages.Error):
-                job.outcome.saw_terminal(msg)
-                job.lease.release("error")
-                raise UpstreamError(msg.status, msg.code, msg.message)
-            msg = job.stream.get(frame_timeout_s)
-            if msg is None:
-                raise UpstreamError(504, "timeout", "no output from the worker in time")
+            else:
+                raise UpstreamError.from_frame(msg)
     finally:
-        job.lease.release("setup_failed")
+        # A no-op after FINAL, ERROR or a timeout; otherwise something failed
+        # here while the worker is still running.
+        job.end(LeaseEnding.LOCAL_ERROR)

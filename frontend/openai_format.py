@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import time
 
+from frontend.errors import http_form
+
 
 def _dumps(obj: dict) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
@@ -69,10 +71,16 @@ class ResponseShaper:
         return out + b"data: [DONE]\n\n"
 
     @staticmethod
-    def error_event(code: str, message: str, status: int) -> bytes:
-        """A terminating error: no ``[DONE]`` follows, so clients see a failure."""
-        body = {"error": {"message": message, "type": "server_error", "code": code,
-                          "status": status}}
+    def error_event(code: str, message: str) -> bytes:
+        """A terminating error: no ``[DONE]`` follows, so clients see a failure.
+
+        Type and status come from the same table as an error answered before
+        the headers (``frontend.errors.HTTP_FORMS``), so a stream that fails
+        with a client's mistake says so, as its HTTP answer would have.
+        """
+        form = http_form(code)
+        body = {"error": {"message": message, "type": form.type, "code": str(code),
+                          "status": form.status}}
         return b"data: " + _dumps(body).encode() + b"\n\n"
 
     # --- whole response ----------------------------------------------------------

@@ -16,8 +16,8 @@ import threading
 import time
 
 from frontend import metrics
+from frontend.job import JobOutcome
 from frontend.lease import SlotLease
-from frontend.sse import JobOutcome
 
 log = logging.getLogger("llamapool.request")
 
@@ -52,7 +52,7 @@ class RequestRecord:
         """The lease's ``on_release`` hook; runs exactly once per lease."""
         self.lease = lease
         metrics.STREAMS_OPEN.dec()
-        metrics.LEASE_ENDINGS.labels(lease.ending).inc()
+        metrics.LEASE_ENDINGS.labels(lease.ending.value).inc()
         metrics.SLOT_HOLD.observe(lease.released_at - lease.taken_at)
         self._part_done()
 
@@ -82,7 +82,7 @@ class RequestRecord:
         if o is not None and self.lease is not None:
             fields["slot_id"] = self.slot_id
             fields["stream"] = self.stream
-            fields["ending"] = self.lease.ending
+            fields["ending"] = self.lease.ending.value
             fields["finish_reason"] = o.finish_reason
             fields["error_code"] = o.error_code
             fields["prompt_tokens"] = o.usage.get("prompt_tokens")

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import msgpack
 
 #: Protocol name and version. Bump the digits on any breaking change.
-PROTOCOL_HEADER = b"LLAMAPOOL01"
+PROTOCOL_HEADER = b"LLAMAPOOL02"
 
 #: Largest body accepted from the network. A SUBMIT carries the whole prompt,
 #: so this bounds what a peer can make us allocate.
@@ -244,14 +244,18 @@ class Final(Message):
     text: str = ""
 
 
-@_register(0x17, job_id=_STR, code=_STR, message=_STR, status=_INT)
+@_register(0x17, job_id=_STR, code=_STR, message=_STR)
 class Error(Message):
-    """Terminal frame: the job failed. ``status`` is the HTTP status to use."""
+    """Terminal frame: the job failed.
+
+    ``code`` is a ``protocol.errors.ErrorCode``: what went wrong, never how to
+    show it. The frontend alone maps it to HTTP (``frontend.errors``), so the
+    wire carries no status (version 02 dropped it).
+    """
 
     job_id: str
     code: str
     message: str
-    status: int = 500
 
 
 # --- introspection -------------------------------------------------------------

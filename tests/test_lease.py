@@ -1,9 +1,15 @@
 """The slot lease: any interleaving of EOF, error, close and GC releases once.
 
-A hypothesis state machine drives a real ``EventStreamBody`` and its
+A hypothesis state machine drives a real ``EventStreamBody``, its ``Job`` and
 ``SlotLease`` the way gunicorn and the broker link would: frames arrive,
-gunicorn reads events, the client disconnects (``close``), a thread dies and
-the body is garbage-collected.
+gunicorn reads events (or waits past the frame timeout), the client
+disconnects (``close``), a thread dies and the body is garbage-collected.
+
+Whether CANCEL must go out is decided by the model from its own events, not
+from ``LeaseEnding``: the job is over at the broker only if the first thing
+that ended it was the broker's terminal frame reaching the body (or, outside
+the machine, a refusal). Anything that happened here first (a timeout, a
+disconnect, GC, a racing release) leaves the worker running, so it cancels.
 """
 
 from __future__ import annotations
@@ -15,9 +21,10 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from frontend.broker_link import JobStream
-from frontend.lease import SlotLease
+from frontend.job import Job, JobOutcome
+from frontend.lease import LeaseEnding, SlotLease
 from frontend.openai_format import ResponseShaper
-from frontend.sse import EventStreamBody, JobOutcome
+from frontend.sse import EventStreamBody
 from protocol import messages
 
 
@@ -48,36 +55,53 @@ class LeaseMachine(RuleBasedStateMachine):
         self.stream = JobStream("job")
         self.lease = SlotLease("job", self.rec.send, self.rec.forget,
                                self.rec.on_release)
-        self.body = EventStreamBody(
-            self.lease, self.stream, ResponseShaper("completion", "r", "m"),
-            messages.Token("job", "first"), frame_timeout_s=0.001,
-            credit_batch_frames=2, send=self.rec.send, outcome=JobOutcome(),
-        )
+        self.job = Job(self.lease, self.stream, send=self.rec.send,
+                       frame_timeout_s=0.001, credit_batch_frames=2,
+                       outcome=JobOutcome())
+        self.stream.put(messages.Token("job", "first"))
+        self.job.first_frame()
+        self.body = EventStreamBody(self.job, ResponseShaper("completion", "r", "m"))
         self.queued = 0
         self.terminal_sent = False
         self.finished_reading = False
+        # The model: frames the body has yet to read (the first is pending),
+        # whether the body still reads, and what ended the job, in order.
+        self.unread = ["token"]
+        self.body_reads = True
+        self.endings: list[str] = []
 
     @precondition(lambda self: not self.terminal_sent)
     @rule()
     def worker_sends_token(self):
         self.stream.put(messages.Token("job", "t"))
         self.queued += 1
+        self.unread.append("token")
 
     @precondition(lambda self: not self.terminal_sent)
     @rule()
     def worker_sends_final(self):
         self.stream.put(messages.Final("job", "stop", {}, {}))
         self.terminal_sent = True
+        self.unread.append("terminal")
 
     @precondition(lambda self: not self.terminal_sent)
     @rule()
     def worker_or_link_sends_error(self):
-        self.stream.put(messages.Error("job", "worker_died", "x", 502))
+        self.stream.put(messages.Error("job", "worker_died", "x"))
         self.terminal_sent = True
+        self.unread.append("terminal")
 
     @precondition(lambda self: self.body is not None and not self.finished_reading)
     @rule()
     def gunicorn_reads_an_event(self):
+        if self.body_reads:
+            self.body_reads = False
+            if not self.unread:
+                self.endings.append("no frame within the frame timeout")
+            elif self.unread.pop(0) == "terminal":
+                self.endings.append("terminal frame from the broker")
+            else:
+                self.body_reads = True
         try:
             event = next(self.body)
         except StopIteration:
@@ -86,21 +110,35 @@ class LeaseMachine(RuleBasedStateMachine):
         if b"[DONE]" in event or b'"error"' in event:
             self.finished_reading = True
 
+    @precondition(lambda self: self.body is not None and not self.finished_reading)
+    @rule()
+    def gunicorn_reads_until_the_stream_ends(self):
+        # A client that keeps reading: every frame queued so far, then the
+        # terminal frame or, if none was queued, the frame timeout.
+        while not self.finished_reading:
+            self.gunicorn_reads_an_event()
+
     @precondition(lambda self: self.body is not None)
     @rule()
     def client_disconnects(self):
+        self.body_reads = False
+        self.endings.append("client disconnected")
         self.body.close()
 
     @precondition(lambda self: self.body is not None)
     @rule()
     def body_is_garbage_collected(self):
+        self.body_reads = False
+        self.endings.append("body garbage-collected")
         self.body = None
         gc.collect()
 
     @rule()
     def a_second_release_path_races(self):
         # e.g. the responder's setup-failure path after hand-over.
-        threads = [threading.Thread(target=self.lease.release, args=("setup_failed",))
+        self.endings.append("a release path here")
+        threads = [threading.Thread(target=self.lease.release,
+                                    args=(LeaseEnding.SETUP_FAILED,))
                    for _ in range(3)]
         for t in threads:
             t.start()
@@ -114,10 +152,14 @@ class LeaseMachine(RuleBasedStateMachine):
         assert len(self.rec.cancels) <= 1
 
     @invariant()
-    def cancel_only_if_job_was_not_over(self):
-        if self.rec.released:
-            ending = self.rec.released[0]
-            assert bool(self.rec.cancels) == (ending not in ("eof", "error", "refused"))
+    def released_once_anything_ended_it(self):
+        assert bool(self.rec.released) == bool(self.endings), self.endings
+
+    @invariant()
+    def cancel_unless_the_broker_ended_the_job_first(self):
+        if self.endings:
+            over_remotely = self.endings[0] == "terminal frame from the broker"
+            assert bool(self.rec.cancels) == (not over_remotely), self.endings
 
     def teardown(self):
         self.body = None
@@ -133,16 +175,16 @@ TestLease.settings = settings(max_examples=150, stateful_step_count=25, deadline
 def test_setup_failure_releases_with_cancel():
     rec = Recorder()
     lease = SlotLease("j", rec.send, rec.forget, rec.on_release)
-    assert lease.release("setup_failed") is True
-    assert lease.release("gc") is False
+    assert lease.release(LeaseEnding.SETUP_FAILED) is True
+    assert lease.release(LeaseEnding.GC) is False
     assert rec.released == ["setup_failed"] and len(rec.cancels) == 1
 
 
 def test_refused_releases_without_cancel():
     rec = Recorder()
     lease = SlotLease("j", rec.send, rec.forget, rec.on_release)
-    lease.release("refused")
-    lease.release("setup_failed")
+    lease.release(LeaseEnding.REFUSED)
+    lease.release(LeaseEnding.SETUP_FAILED)
     assert rec.released == ["refused"] and rec.cancels == []
 
 
@@ -150,9 +192,11 @@ def test_credit_is_returned_as_events_are_consumed():
     rec = Recorder()
     stream = JobStream("j")
     lease = SlotLease("j", rec.send, rec.forget)
-    body = EventStreamBody(lease, stream, ResponseShaper("chat", "r", "m"),
-                           messages.Token("j", "a"), frame_timeout_s=1,
-                           credit_batch_frames=2, send=rec.send, outcome=JobOutcome())
+    job = Job(lease, stream, send=rec.send, frame_timeout_s=1, credit_batch_frames=2,
+              outcome=JobOutcome())
+    stream.put(messages.Token("j", "a"))
+    job.first_frame()
+    body = EventStreamBody(job, ResponseShaper("chat", "r", "m"))
     for _ in range(4):
         stream.put(messages.Token("j", "b"))
     stream.put(messages.Final("j", "length", {}, {}))

@@ -26,6 +26,7 @@ import time
 import zmq
 
 from protocol import messages, timing
+from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from protocol.prefix import MAX_BLOCKS
 from workers.broker import ledger as ledger_mod
@@ -230,7 +231,7 @@ class Broker:
         if msg.job_id in self.ledger.jobs:
             self._to_frontend(
                 ident,
-                messages.Error(msg.job_id, "duplicate_job", "duplicate job id", 400),
+                messages.Error(msg.job_id, ErrorCode.DUPLICATE_JOB, "duplicate job id"),
             )
             return
         slot = self.ledger.assign(msg.job_id, ident, now,
@@ -283,7 +284,8 @@ class Broker:
             self._to_worker(ident, messages.Heartbeat())
             if orphan is not None:
                 self.stats.job_lost()
-                self._fail_job(orphan, "worker_restarted", "worker re-registered")
+                self._fail_job(orphan, ErrorCode.WORKER_RESTARTED,
+                               "worker re-registered")
             log.info(
                 "worker registered: slot=%d name=%s pid=%d host=%s model=%s",
                 slot.slot_id, msg.worker_name, msg.pid, msg.host, msg.model,
@@ -330,9 +332,9 @@ class Broker:
             self.ledger.remove_worker(job.worker)
         self.counters["finished"] += 1
 
-    def _fail_job(self, job: ledger_mod.Job, code: str, message: str) -> None:
+    def _fail_job(self, job: ledger_mod.Job, code: ErrorCode, message: str) -> None:
         self.counters["failed_" + code] += 1
-        self._to_frontend(job.frontend, messages.Error(job.job_id, code, message, 502))
+        self._to_frontend(job.frontend, messages.Error(job.job_id, code, message))
 
     def _worker_died(self, ident: bytes, why: str) -> None:
         slot = self.ledger.workers.get(ident)
@@ -346,7 +348,8 @@ class Broker:
             )
         if orphan is not None:
             self.stats.job_lost()
-            self._fail_job(orphan, "worker_died", "the model worker died mid-job")
+            self._fail_job(orphan, ErrorCode.WORKER_DIED,
+                           "the model worker died mid-job")
 
     # --- liveness ----------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from protocol.errors import ErrorCode
 from workers.model.stop_strings import StopStringFilter
 
 
@@ -17,14 +18,13 @@ class RequestRejected(Exception):
     """The request cannot run (e.g. prompt longer than the context).
 
     Raised before any token is generated; becomes an ERROR frame carrying
-    ``status`` so the frontend can answer with that HTTP status.
+    ``code``. The frontend decides the HTTP status from the code.
     """
 
-    def __init__(self, code: str, message: str, status: int = 400) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
-        self.status = status
 
 
 def token_budget(n_prompt: int, n_ctx: int, asked: int | None) -> int:
@@ -35,7 +35,7 @@ def token_budget(n_prompt: int, n_ctx: int, asked: int | None) -> int:
     """
     if n_prompt >= n_ctx:
         raise RequestRejected(
-            "context_length_exceeded",
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             f"the prompt is {n_prompt} tokens; the context holds {n_ctx}",
         )
     room = n_ctx - n_prompt

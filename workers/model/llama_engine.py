@@ -16,6 +16,7 @@ import time
 import llama_cpp
 
 from protocol import defaults
+from protocol.errors import ErrorCode
 from workers.model import kv_cache
 from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.engine import (
@@ -84,14 +85,14 @@ class LlamaEngine:
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab
                 for t in given
             ):
-                raise RequestRejected("invalid_prompt_tokens",
+                raise RequestRejected(ErrorCode.INVALID_PROMPT_TOKENS,
                                       "prompt_tokens must be valid token ids")
             stops = request.get("extra_stops") or []
             return given, [s for s in stops if isinstance(s, str)]
         try:
             return self.prompts.tokens(request)
         except PromptError as exc:
-            raise RequestRejected("invalid_messages", str(exc)) from None
+            raise RequestRejected(ErrorCode.INVALID_MESSAGES, str(exc)) from None
 
     # --- generation --------------------------------------------------------------
 

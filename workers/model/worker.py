@@ -29,6 +29,7 @@ import zmq
 
 from protocol import messages
 from protocol.curve import client_keys
+from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from workers.model.engine import Engine, RequestRejected
 from workers.model.settings import WorkerSettings
@@ -191,19 +192,19 @@ class ModelWorker:
         try:
             if job.ended_by_shutdown:
                 raise RequestRejected(
-                    "worker_shutdown", "the worker is shutting down", 503
+                    ErrorCode.WORKER_SHUTDOWN, "the worker is shutting down"
                 )
             result = self.engine.run(job.request, job)
             self.tokens_generated += result.completion_tokens
             if job.ended_by_shutdown:
                 msg = messages.Error(
-                    job.job_id, "worker_shutdown",
-                    "the worker shut down before the job finished", 503,
+                    job.job_id, ErrorCode.WORKER_SHUTDOWN,
+                    "the worker shut down before the job finished",
                 )
             elif job.stalled:
                 msg = messages.Error(
-                    job.job_id, "client_stalled",
-                    "the client stopped reading; generation was cancelled", 408,
+                    job.job_id, ErrorCode.CLIENT_STALLED,
+                    "the client stopped reading; generation was cancelled",
                 )
             else:
                 msg = messages.Final(
@@ -211,10 +212,11 @@ class ModelWorker:
                     result.timings(), result.tail_text,
                 )
         except RequestRejected as exc:
-            msg = messages.Error(job.job_id, exc.code, exc.message, exc.status)
+            msg = messages.Error(job.job_id, exc.code, exc.message)
         except Exception:
             log.exception("job %s failed in the engine", job.job_id)
-            msg = messages.Error(job.job_id, "engine_error", "generation failed", 500)
+            msg = messages.Error(job.job_id, ErrorCode.ENGINE_ERROR,
+                                 "generation failed")
         self.jobs_done += 1
         self.busy = False
         outbox.send_multipart(msg.to_wire())
@@ -351,7 +353,7 @@ class ModelWorker:
                     # The broker thinks we are idle while we are not; refuse
                     # rather than queue (one slot means one job).
                     dealer.send_multipart(
-                        messages.Error(msg.job_id, "worker_busy", "slot busy", 503)
+                        messages.Error(msg.job_id, ErrorCode.WORKER_BUSY, "slot busy")
                         .to_wire()
                     )
                     continue

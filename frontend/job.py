@@ -1,0 +1,187 @@
+"""One generation job's frames, from the broker's answer to the lease's end.
+
+A job's frames were once read in three places: the setup in
+``frontend.generation`` (the first frame), its collector for non-streamed
+responses, and the SSE body. Each handled the terminal frame its own way, two
+returned credit, three built the 504 for a silent worker, and every failure
+on this side ended the lease as "error", the ending of an ERROR frame, so no
+CANCEL went out and the slot stayed busy. ``Job`` now owns all of that: it
+reads the frames with the frame timeout, returns credit for what the client
+consumed, fills in the ``JobOutcome``, and ends the lease with a
+``LeaseEnding`` that says whether the job is over at the broker. Its callers
+only shape what it hands them: SSE events (``frontend.sse``) or one JSON body
+(``frontend.generation.collect``).
+
+A frame timeout is handed out as an ERROR frame with code ``timeout``, made
+here, after the lease has ended with ``TIMEOUT`` (which sends CANCEL), so
+every caller shows it like any other error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from frontend.broker_link import JobStream
+from frontend.lease import LeaseEnding, SlotLease
+from protocol import messages
+from protocol.errors import ErrorCode
+
+#: What the client reads when the worker sends nothing for the frame timeout.
+TIMEOUT_MESSAGE = "no output from the worker in time"
+
+#: A frame ``Job`` hands out: output, or the job's one terminal frame.
+JobFrame = messages.Token | messages.Final | messages.Error
+
+
+class JobOutcome:
+    """What happened to one job, filled in as frames arrive (for logs and metrics)."""
+
+    def __init__(self) -> None:
+        self.started_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.inter_token_s: list[float] = []
+        self.finish_reason: str | None = None
+        self.error_code: str | None = None
+        self.usage: dict = {}
+        self.timings: dict = {}
+
+    def saw_token(self) -> None:
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            self.inter_token_s.append(now - self.last_token_at)
+        self.last_token_at = now
+
+    def saw_terminal(self, msg: messages.Message) -> None:
+        if isinstance(msg, messages.Final):
+            self.finish_reason = msg.finish_reason
+            self.usage = msg.usage
+            self.timings = msg.timings
+        else:
+            self.error_code = str(msg.code)
+
+
+class Job:
+    """The frames of one submitted job, and the lease they end.
+
+    Args:
+        lease: taken before SUBMIT; ended here, or by ``end``.
+        stream: the job's frames from the broker link.
+        send: the broker link's ``send`` (for CREDIT).
+        frame_timeout_s: longest silence before the job is given up.
+        credit_batch_frames: consumed frames per CREDIT message.
+        outcome: filled in as frames arrive.
+    """
+
+    def __init__(
+        self,
+        lease: SlotLease,
+        stream: JobStream,
+        *,
+        send: Callable[[messages.Message], None],
+        frame_timeout_s: float,
+        credit_batch_frames: int,
+        outcome: JobOutcome,
+    ) -> None:
+        self.lease = lease
+        self.job_id = lease.job_id
+        self.outcome = outcome
+        self.slot_id: int | None = None
+        self.model = ""
+        self._stream = stream
+        self._send = send
+        self._frame_timeout_s = frame_timeout_s
+        self._credit_batch = max(1, credit_batch_frames)
+        self._pending: JobFrame | None = None
+        self._handed_out = 0
+        self._credited = 0
+        self._terminal_seen = False
+
+    # --- setup ---------------------------------------------------------------------
+
+    def answer(self, timeout_s: float) -> messages.Message | None:
+        """The broker's answer to SUBMIT, or None if none came in time.
+
+        ACCEPTED names the slot. NO_SLOT and ERROR end the lease: the broker
+        holds nothing for this job, so there is nothing to cancel.
+        """
+        msg = self._stream.get(timeout_s)
+        if isinstance(msg, messages.Accepted):
+            self.slot_id, self.model = msg.slot_id, msg.model
+        elif isinstance(msg, messages.NoSlot):
+            self.lease.release(LeaseEnding.REFUSED)
+        elif isinstance(msg, messages.Error):
+            self._saw_terminal(msg)
+        return msg
+
+    def first_frame(self) -> JobFrame:
+        """Wait for the worker's first frame and keep it for ``next_frame``.
+
+        Part of setup: if it is an error, nothing was sent to the client yet,
+        and the caller can still answer with an HTTP status.
+        """
+        self._pending = self._receive()
+        return self._pending
+
+    # --- streaming -----------------------------------------------------------------
+
+    def next_frame(self) -> JobFrame:
+        """The next frame for the client, waiting at most the frame timeout.
+
+        Call it only once the previous frame was consumed (written to the
+        client, or buffered): that is what the credit returned here means.
+        After a FINAL or ERROR frame there is nothing more to ask for.
+        """
+        self._return_credit()
+        msg, self._pending = self._pending, None
+        if msg is None:
+            if self._terminal_seen:
+                raise RuntimeError(f"job {self.job_id} has already ended")
+            msg = self._receive()
+        if isinstance(msg, messages.Token):
+            self._handed_out += 1
+        return msg
+
+    def end(self, ending: LeaseEnding) -> bool:
+        """End the lease from outside (disconnect, GC, a local failure).
+
+        A no-op if the job already ended; True only for the call that ended it.
+        """
+        return self.lease.release(ending)
+
+    # --- internals -------------------------------------------------------------------
+
+    def _return_credit(self) -> None:
+        # Everything handed out before this call has been consumed.
+        owed = self._handed_out - self._credited
+        if owed >= self._credit_batch and not self.lease.released:
+            self._send(messages.Credit(self.job_id, owed))
+            self._credited = self._handed_out
+
+    def _receive(self) -> JobFrame:
+        while True:
+            msg = self._stream.get(self._frame_timeout_s)
+            if msg is None:
+                msg = messages.Error(self.job_id, ErrorCode.TIMEOUT, TIMEOUT_MESSAGE)
+                self._terminal_seen = True
+                self.outcome.saw_terminal(msg)
+                self.lease.release(LeaseEnding.TIMEOUT)
+                return msg
+            if isinstance(msg, messages.Token):
+                self.outcome.saw_token()
+                return msg
+            if isinstance(msg, messages.TERMINAL):
+                self._saw_terminal(msg)
+                return msg
+            # ACCEPTED was consumed during setup; anything else is not ours.
+
+    def _saw_terminal(self, msg: messages.Final | messages.Error) -> None:
+        self._terminal_seen = True
+        self.outcome.saw_terminal(msg)
+        if isinstance(msg, messages.Final):
+            self.lease.release(LeaseEnding.EOF)
+        else:
+            self.lease.release(LeaseEnding.REMOTE_ERROR)

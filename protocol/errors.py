@@ -1,0 +1,50 @@
+"""Why a job failed: the domain codes an ERROR frame carries.
+
+A worker, the broker and the frontend each report failures, and the frontend
+decides what HTTP status and OpenAI error type a client sees. Before, every
+producer also picked an HTTP status and sent it on the wire, so the same
+failure could be shown two ways and the mapping lived in a dozen call sites.
+Now producers say *what* happened, by one of the names below, and
+``frontend.errors.HTTP_FORMS`` is the one table that turns a name into HTTP.
+
+The values are the strings that travel in ``messages.Error.code`` and appear
+in logs, error bodies and SSE error events; never rename one. A code this
+peer does not know (from a newer peer) still decodes as a plain string, and
+the frontend shows it as a server error.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(str, enum.Enum):
+    """Every failure the pool reports, by who detects it."""
+
+    # The request cannot run; the worker refuses it before the first token.
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    INVALID_PROMPT_TOKENS = "invalid_prompt_tokens"
+    INVALID_MESSAGES = "invalid_messages"
+    # The worker ended the job.
+    CLIENT_STALLED = "client_stalled"  # no credit for the stall timeout
+    ENGINE_ERROR = "engine_error"  # the engine raised
+    WORKER_SHUTDOWN = "worker_shutdown"  # SIGTERM's grace period ran out
+    WORKER_BUSY = "worker_busy"  # the broker sent a job to a busy worker
+    # The broker ended the job.
+    DUPLICATE_JOB = "duplicate_job"
+    WORKER_DIED = "worker_died"
+    WORKER_RESTARTED = "worker_restarted"
+    # The frontend ended the job: its link lost the broker, or no frame came.
+    BROKER_UNREACHABLE = "broker_unreachable"
+    BROKER_RESTARTED = "broker_restarted"
+    TIMEOUT = "timeout"
+    # Refusals that are no ERROR frame: the broker's NO_SLOT answer, and a
+    # ledger with no worker registered yet (what ``/health`` reports).
+    NO_SLOT = "no_slot"
+    LOADING_MODEL = "loading_model"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return self.value.__format__(spec)
