@@ -99,7 +99,8 @@ class BrokerLink(LinkHandler):
                 curve=self.curve,
                 ctx=zmq.Context(),  # this process's own, made after the fork
                 name="broker-link",
-            ).start()
+            )
+            self._conn.start()  # after the assignment: callbacks use it
             self._started_pid = os.getpid()
         return self
 

@@ -230,7 +230,7 @@ class BrokerConnection:
     # --- the link thread ---------------------------------------------------------
 
     def _connect(self) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
+        sock = self._sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # No high-water mark: a full pipe must not drop frames silently. The
         # credit window bounds what is in flight (see ``protocol.timing``).
@@ -239,7 +239,6 @@ class BrokerConnection:
         if self.curve is not None:
             self.curve.apply(sock)
         sock.connect(self.endpoint)
-        self._sock = sock
         self._connected_at = time.monotonic()
         self.handler.on_connect()
         return sock
@@ -251,10 +250,10 @@ class BrokerConnection:
         poller = zmq.Poller()
         wakeup_fd = self._wakeup.fileno()
         poller.register(wakeup_fd, zmq.POLLIN)
-        sock = self._connect()
-        poller.register(sock, zmq.POLLIN)
         next_beat = 0.0  # the first heartbeat goes out at once
         try:
+            sock = self._connect()
+            poller.register(sock, zmq.POLLIN)
             while True:
                 self.handler.on_tick(time.monotonic())
                 if self._stopping:
@@ -283,7 +282,8 @@ class BrokerConnection:
         finally:
             self._stopping = True  # also if a callback raised: senders drop
             self._thread_id = None
-            sock.close(linger=self.linger_ms)
+            if self._sock is not None:
+                self._sock.close(linger=self.linger_ms)
 
     def _forward_outbox(self) -> None:
         # Clear before counting: whatever arrives after the count has
