@@ -202,7 +202,7 @@ class BrokerConnection:
         callback, it goes out at once. After ``stop`` it is dropped.
         """
         if threading.get_ident() == self._thread_id:
-            self._sock.send_multipart(msg.to_wire())
+            self._write(msg)
         elif not self._stopping:
             self._outbox.append(msg)
             self._wakeup.notify()
@@ -277,7 +277,7 @@ class BrokerConnection:
                     sock = self._connect()
                     poller.register(sock, zmq.POLLIN)
                 if now >= next_beat:
-                    sock.send_multipart(self.handler.heartbeat(now).to_wire())
+                    self._write(self.handler.heartbeat(now))
                     next_beat = now + interval_s
         finally:
             self._stopping = True  # also if a callback raised: senders drop
@@ -293,7 +293,15 @@ class BrokerConnection:
         for _ in range(len(self._outbox)):
             msg = self._outbox.popleft()
             if self.handler.forward(msg):
-                self._sock.send_multipart(msg.to_wire())
+                self._write(msg)
+
+    def _write(self, msg: messages.Message) -> None:
+        # Blocking, as these sends always were: with no high-water mark a
+        # DEALER blocks only when libzmq has dropped its connection for good
+        # (it never retries a refused CURVE handshake). The thread then stays
+        # put until the process ends, rather than redialling a broker that
+        # refuses this key (``tests/deploy/test_curve.py`` counts refusals).
+        self._sock.send_multipart(msg.to_wire())
 
     def _receive(self) -> None:
         while True:
