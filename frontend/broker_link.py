@@ -177,7 +177,7 @@ class BrokerLink(LinkHandler):
 
     def on_lost(self, silent_s: float) -> None:
         self.broker_losses += 1
-        log.warning("broker silent for %.1fs; failing open jobs", silent_s)
+        log.warning("lost the broker; failing %d open jobs", len(self._streams))
         self._fail_all("broker_unreachable", "lost contact with the broker")
 
     def on_malformed(self, error: messages.MalformedMessage) -> None:

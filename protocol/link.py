@@ -286,9 +286,10 @@ class BrokerConnection:
                 self._sock.close(linger=self.linger_ms)
 
     def _forward_outbox(self) -> None:
-        # Clear before counting: whatever arrives after the count has
-        # notified again, so it is taken next round. Taking only the count
-        # keeps a busy sender from starving receives and heartbeats.
+        # Clear before counting: a message appended after the clear has
+        # written a fresh wake-up, so what this round leaves is taken next
+        # round. Taking only the count keeps a busy sender from starving
+        # receives and heartbeats.
         self._wakeup.clear()
         for _ in range(len(self._outbox)):
             msg = self._outbox.popleft()
