@@ -1,28 +1,31 @@
 """A model worker process: one engine, one slot, one job at a time.
 
-Two threads, each owning its own sockets (ZeroMQ sockets are not thread-safe):
+Two threads:
 
-* the main thread runs jobs through the engine and pushes encoded frames into
-  an in-process PUSH socket;
-* the I/O thread owns the DEALER to the broker. It forwards those frames,
-  receives SUBMIT / CANCEL / CREDIT, and heartbeats every interval, also
-  while a token is being computed (ctypes releases the GIL during decode).
+* the main thread runs jobs through the engine and hands their frames to the
+  broker connection (``protocol.link``);
+* the connection's thread owns the DEALER to the broker. It sends those
+  frames, heartbeats every interval (also while a token is being computed:
+  ctypes releases the GIL during decode), and calls this module back with
+  SUBMIT / CANCEL / CREDIT / DISCONNECT and when the broker goes silent.
 
-The worker sends READY only after the model has loaded, and again whenever the
-broker says DISCONNECT or goes silent (a restarted broker rebuilds its ledger
-from these). SIGTERM: stop taking jobs, let the current one finish within the
-grace period or end it with an ERROR, tell the broker, exit 0.
+This module keeps only what is a worker's own: which job the broker believes
+we run, registration, and shutdown. The worker sends READY only after the
+model has loaded, and again whenever the broker says DISCONNECT or goes
+silent (a restarted broker rebuilds its ledger from these). SIGTERM: stop
+taking jobs, let the current one finish within the grace period or end it
+with an ERROR, tell the broker, exit 0.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import queue
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
 import zmq
@@ -31,28 +34,83 @@ from protocol import messages
 from protocol.curve import client_keys
 from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
+from protocol.link import BrokerConnection, LinkHandler
 from workers.model.engine import Engine, RequestRejected
 from workers.model.settings import WorkerSettings
 
 log = logging.getLogger("llamapool.worker")
 
 
-_NONE, _SENT, _CONFIRMED = "none", "sent", "confirmed"
 
 
 class EngineLoadError(RuntimeError):
     """The model (engine) could not be loaded; the worker cannot serve."""
 
 
+class RegistrationState(enum.Enum):
+    NONE = "none"
+    SENT = "sent"
+    CONFIRMED = "confirmed"
+
+
+class Registration:
+    """Whether the broker has this worker in its ledger.
+
+    NONE -> (READY sent) SENT -> (the broker answered) CONFIRMED; back to
+    NONE when the broker says DISCONNECT or goes silent, or when a READY stays
+    unanswered for a liveness window (it went to a broker that died).
+
+    While SENT, a DISCONNECT is stale: the broker sent it in answer to
+    something we sent before READY (frames are ordered both ways), so obeying
+    it would register us twice and orphan the job the broker may already have
+    given us.
+    """
+
+    def __init__(self, answer_timeout_s: float) -> None:
+        self.state = RegistrationState.NONE
+        self._answer_timeout_s = answer_timeout_s
+        self._sent_at = 0.0
+
+    @property
+    def confirmed(self) -> bool:
+        return self.state is RegistrationState.CONFIRMED
+
+    def needs_ready(self, now: float) -> bool:
+        """Whether a READY should go out (given that we can serve)."""
+        if (self.state is RegistrationState.SENT
+                and now - self._sent_at > self._answer_timeout_s):
+            self.state = RegistrationState.NONE
+        return self.state is RegistrationState.NONE
+
+    def ready_sent(self, now: float) -> None:
+        self.state, self._sent_at = RegistrationState.SENT, now
+
+    def heard(self, msg: messages.Message) -> bool:
+        """Account for a message from the broker; False if it is a stale
+        DISCONNECT, to be ignored."""
+        if self.state is RegistrationState.SENT:
+            if isinstance(msg, messages.Disconnect):
+                return False
+            self.state = RegistrationState.CONFIRMED  # it knows us since READY
+        return True
+
+    def forget(self) -> None:
+        """The broker no longer knows us (DISCONNECT, or it went silent)."""
+        self.state = RegistrationState.NONE
+
+
 class ActiveJob:
     """One running job; the engine sees it as its ``JobSink``."""
 
     def __init__(
-        self, submit: messages.Submit, outbox: zmq.Socket, settings: WorkerSettings
+        self,
+        submit: messages.Submit,
+        send: Callable[[messages.Message], None],
+        settings: WorkerSettings,
     ) -> None:
         self.job_id = submit.job_id
         self.request = submit.request
-        self._outbox = outbox
+        self._send = send
         self._stall_timeout_s = settings.stall_timeout_s
         self._credit = settings.credit_window_frames
         self._credit_changed = threading.Condition()
@@ -65,7 +123,7 @@ class ActiveJob:
         self.progress: dict = {"job_id": self.job_id}
         self.stalled = False
 
-    # --- called by the I/O thread ------------------------------------------------
+    # --- called by the link thread -----------------------------------------------
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -82,9 +140,7 @@ class ActiveJob:
     def emit(self, text: str, n_tokens: int) -> None:
         with self._credit_changed:
             self._credit -= 1
-        self._outbox.send_multipart(
-            messages.Token(self.job_id, text, n_tokens).to_wire()
-        )
+        self._send(messages.Token(self.job_id, text, n_tokens))
 
     def should_stop(self) -> bool:
         return self._cancelled.is_set()
@@ -103,7 +159,7 @@ class ActiveJob:
 
     def report_progress(self, n_prompt, n_generated, max_tokens, tokens_per_s,
                         n_ctx_used) -> None:
-        # Replaced whole, so the I/O thread always reads a consistent dict.
+        # Replaced whole, so the link thread always reads a consistent dict.
         self.progress = {
             "job_id": self.job_id,
             "n_prompt": n_prompt,
@@ -114,7 +170,7 @@ class ActiveJob:
         }
 
 
-class ModelWorker:
+class ModelWorker(LinkHandler):
     """Connects one engine to the broker."""
 
     def __init__(
@@ -131,34 +187,45 @@ class ModelWorker:
         self.curve = client_keys(settings.curve_server_key, settings.curve_secret_key)
         self._load_engine = load_engine
         self.model_label = model_label
-        #: None until the model has loaded; the I/O thread sends LOADING
-        #: heartbeats until then, and READY after.
+        #: None until the model has loaded; the link sends LOADING heartbeats
+        #: until then, and READY after.
         self.engine: Engine | None = None
         self.ctx = ctx or zmq.Context.instance()
         self.name = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self._jobs: queue.SimpleQueue[ActiveJob] = queue.SimpleQueue()
-        self._outbox_endpoint = f"inproc://worker-outbox-{uuid.uuid4().hex}"
-        self._io_done = threading.Event()
-        self.malformed_dropped = 0
         self.jobs_done = 0
         self._sd = notifier or SilentNotifier()
         self.tokens_generated = 0
         self.busy = False
+        self._link = BrokerConnection(
+            settings.broker_endpoint, self,
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+            heartbeat_liveness=settings.heartbeat_liveness,
+            curve=self.curve, ctx=self.ctx,
+            linger_ms=500,  # let the goodbye DISCONNECT leave
+            name="worker-io",
+        )
+        # Owned by the link thread from here on.
+        #: The job the broker believes we run: set by SUBMIT, cleared when its
+        #: terminal frame goes out, so that READY never overtakes that frame.
+        self._job: ActiveJob | None = None
+        self._registration = Registration(
+            settings.heartbeat_interval_s * settings.heartbeat_liveness
+        )
+        self._stop: StopSignal | None = None
+        self._grace_deadline: float | None = None
+
+    @property
+    def malformed_dropped(self) -> int:
+        """Malformed messages from the broker, dropped."""
+        return self._link.malformed_dropped
 
     # --- main thread -------------------------------------------------------------
 
     def run(self, stop: StopSignal) -> None:
         """Serve jobs until ``stop`` is set and the current job has ended."""
-        inbox = self.ctx.socket(zmq.PULL)
-        inbox.bind(self._outbox_endpoint)
-        outbox = self.ctx.socket(zmq.PUSH)
-        outbox.setsockopt(zmq.SNDHWM, 0)
-        outbox.connect(self._outbox_endpoint)
-        io = threading.Thread(
-            target=self._io_loop, args=(inbox, outbox, stop), name="worker-io",
-            daemon=True,
-        )
-        io.start()
+        self._stop = stop
+        self._link.start()
         try:
             try:
                 self.engine = self._load_engine()
@@ -171,7 +238,7 @@ class ModelWorker:
                     job = self._jobs.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                self._run_job(job, outbox)
+                self._run_job(job)
             # A job may have been handed over just before the stop.
             while True:
                 try:
@@ -180,14 +247,13 @@ class ModelWorker:
                     break
                 job.ended_by_shutdown = True
                 job.cancel()
-                self._run_job(job, outbox)
+                self._run_job(job)
         finally:
-            stop.set()  # also on a failed load: the I/O thread says goodbye
-            self._io_done.wait(timeout=self.settings.heartbeat_interval_s * 3)
-            outbox.close(linger=0)
+            stop.set()  # also on a failed load: the link thread says goodbye
+            self._link.join(timeout_s=self.settings.heartbeat_interval_s * 3)
             log.info("worker %s stopped after %d jobs", self.name, self.jobs_done)
 
-    def _run_job(self, job: ActiveJob, outbox: zmq.Socket) -> None:
+    def _run_job(self, job: ActiveJob) -> None:
         self.busy = True
         try:
             if job.ended_by_shutdown:
@@ -219,18 +285,9 @@ class ModelWorker:
                                  "generation failed")
         self.jobs_done += 1
         self.busy = False
-        outbox.send_multipart(msg.to_wire())
+        self._link.send(msg)
 
-    # --- I/O thread --------------------------------------------------------------
-
-    def _new_dealer(self) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 500)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        if self.curve is not None:
-            self.curve.apply(sock)
-        sock.connect(self.settings.broker_endpoint)
-        return sock
+    # --- the link thread (LinkHandler) -------------------------------------------
 
     def _ready_message(self) -> messages.Ready:
         return messages.Ready(
@@ -242,135 +299,74 @@ class ModelWorker:
             engine=self.engine.name,
         )
 
-    def _io_loop(self, inbox: zmq.Socket, outbox: zmq.Socket, stop: StopSignal) -> None:
-        s = self.settings
-        dealer = self._new_dealer()
-        poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
-        poller.register(inbox, zmq.POLLIN)
-        job: ActiveJob | None = None  # the job the broker believes we run
-        # Registration: NONE -> (READY sent) SENT -> (broker answered) CONFIRMED.
-        # While SENT, a DISCONNECT is stale: the broker sent it in answer to
-        # something we sent before READY (frames are ordered both ways), so
-        # obeying it would register us twice and orphan the job the broker
-        # may already have given us.
-        registration = _NONE
-        ready_sent_at = 0.0
-        last_heard = time.monotonic()
-        next_beat = 0.0
-        grace_deadline = None
-        beat_ms = s.heartbeat_interval_s * 1000
-        try:
-            while True:
-                now = time.monotonic()
-                if registration == _SENT and (
-                        now - ready_sent_at > s.heartbeat_interval_s
-                        * s.heartbeat_liveness):
-                    registration = _NONE  # READY went to a broker that died
-                if (registration == _NONE and job is None
-                        and self.engine is not None and not stop.is_set()):
-                    dealer.send_multipart(self._ready_message().to_wire())
-                    registration, ready_sent_at = _SENT, now
-                    log.info("worker %s sent READY", self.name)
-                if stop.is_set() and grace_deadline is None:
-                    grace_deadline = now + s.shutdown_grace_s
-                    self._sd.stopping("draining")
-                    # Stop taking work before anything else.
-                    dealer.send_multipart(messages.Disconnect("stopping").to_wire())
-                if grace_deadline is not None:
-                    if job is None:
-                        break
-                    if now >= grace_deadline:
-                        job.ended_by_shutdown = True
-                        job.cancel()
-                ready = dict(poller.poll(min(beat_ms, max(0, next_beat - now) * 1000)))
-                if inbox in ready:
-                    job = self._forward_outbox(inbox, dealer, job)
-                if dealer in ready:
-                    last_heard = time.monotonic()
-                    job, registration = self._drain_broker(
-                        dealer, outbox, job, registration)
-                    if registration == _CONFIRMED:
-                        # READY went out and the broker answered: we serve.
-                        self._sd.ready(f"registered with {s.broker_endpoint}")
-                now = time.monotonic()
-                if now - last_heard > s.heartbeat_interval_s * s.heartbeat_liveness:
-                    log.warning("broker silent for %.1fs; reconnecting",
-                                now - last_heard)
-                    poller.unregister(dealer)
-                    dealer.close(linger=0)
-                    dealer = self._new_dealer()
-                    poller.register(dealer, zmq.POLLIN)
-                    registration = _NONE
-                    last_heard = now
-                    if job is not None:
-                        job.orphaned = True
-                        job.cancel()
-                if now >= next_beat:
-                    if self.engine is None:
-                        beat = messages.Loading(self.name, self.model_label,
-                                                os.getpid(), socket.gethostname())
-                    else:
-                        progress = job.progress if job is not None else {}
-                        beat = messages.Heartbeat(progress)
-                    dealer.send_multipart(beat.to_wire())
-                    next_beat = now + s.heartbeat_interval_s
-                    self._sd.watchdog(now)
-        finally:
-            dealer.close(linger=500)
-            inbox.close(linger=0)
-            self._io_done.set()
+    def on_tick(self, now: float) -> None:
+        stopping = self._stop.is_set()
+        if (self._registration.needs_ready(now) and self._job is None
+                and self.engine is not None and not stopping):
+            self._link.send(self._ready_message())
+            self._registration.ready_sent(now)
+            log.info("worker %s sent READY", self.name)
+        if stopping and self._grace_deadline is None:
+            self._grace_deadline = now + self.settings.shutdown_grace_s
+            self._sd.stopping("draining")
+            # Stop taking work before anything else.
+            self._link.send(messages.Disconnect("stopping"))
+        if self._grace_deadline is not None:
+            if self._job is None:
+                self._link.stop()
+            elif now >= self._grace_deadline:
+                self._job.ended_by_shutdown = True
+                self._job.cancel()
 
-    def _forward_outbox(self, inbox, dealer, job: ActiveJob | None):
-        while True:
-            try:
-                frames = inbox.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return job
-            terminal = frames[1] in (messages.Final.COMMAND, messages.Error.COMMAND)
-            if job is not None and not job.orphaned:
-                dealer.send_multipart(frames)
-            if terminal:
-                job = None
+    def heartbeat(self, now: float) -> messages.Message:
+        self._sd.watchdog(now)
+        if self.engine is None:
+            return messages.Loading(self.name, self.model_label, os.getpid(),
+                                    socket.gethostname())
+        job = self._job
+        return messages.Heartbeat(job.progress if job is not None else {})
 
-    def _drain_broker(self, dealer, outbox, job: ActiveJob | None,
-                      registration: str):
-        while True:
-            try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return job, registration
-            try:
-                msg = messages.decode(frames)
-            except messages.MalformedMessage as exc:
-                self.malformed_dropped += 1
-                log.warning("dropped malformed message from broker: %s", exc)
-                continue
-            if registration == _SENT and not isinstance(msg, messages.Disconnect):
-                registration = _CONFIRMED  # the broker knows us since READY
-            if isinstance(msg, messages.Submit):
-                if job is not None:
-                    # The broker thinks we are idle while we are not; refuse
-                    # rather than queue (one slot means one job).
-                    dealer.send_multipart(
-                        messages.Error(msg.job_id, ErrorCode.WORKER_BUSY, "slot busy")
-                        .to_wire()
-                    )
-                    continue
-                job = ActiveJob(msg, outbox, self.settings)
-                self._jobs.put(job)
-            elif isinstance(msg, messages.Cancel):
-                if job is not None and job.job_id == msg.job_id:
-                    job.cancel()
-            elif isinstance(msg, messages.Credit):
-                if job is not None and job.job_id == msg.job_id:
-                    job.add_credit(msg.frames)
-            elif isinstance(msg, messages.Disconnect):
-                if registration == _SENT:
-                    continue  # stale: see _io_loop
-                log.warning("broker says %r; registering again", msg.reason)
-                registration = _NONE
-                if job is not None:
-                    job.orphaned = True
-                    job.cancel()
-            # HEARTBEAT: hearing from the broker was the point.
+    def forward(self, msg: messages.Message) -> bool:
+        # Everything the main thread sends is a frame of the current job.
+        job = self._job
+        if isinstance(msg, messages.TERMINAL):
+            self._job = None
+        return job is not None and not job.orphaned
+
+    def on_message(self, msg: messages.Message) -> None:
+        if not self._registration.heard(msg):
+            return  # a stale DISCONNECT: see Registration
+        job = self._job
+        if isinstance(msg, messages.Submit):
+            if job is not None:
+                # The broker thinks we are idle while we are not; refuse
+                # rather than queue (one slot means one job).
+                self._link.send(
+                    messages.Error(msg.job_id, ErrorCode.WORKER_BUSY, "slot busy")
+                )
+            else:
+                self._job = ActiveJob(msg, self._link.send, self.settings)
+                self._jobs.put(self._job)
+        elif isinstance(msg, messages.Cancel):
+            if job is not None and job.job_id == msg.job_id:
+                job.cancel()
+        elif isinstance(msg, messages.Credit):
+            if job is not None and job.job_id == msg.job_id:
+                job.add_credit(msg.frames)
+        elif isinstance(msg, messages.Disconnect):
+            log.warning("broker says %r; registering again", msg.reason)
+            self._registration.forget()
+            self._orphan_job()
+        # HEARTBEAT: hearing from the broker was the point.
+        if self._registration.confirmed:
+            # READY went out and the broker answered: we serve.
+            self._sd.ready(f"registered with {self.settings.broker_endpoint}")
+
+    def on_lost(self, silent_s: float) -> None:
+        self._registration.forget()
+        self._orphan_job()
+
+    def _orphan_job(self) -> None:
+        if self._job is not None:
+            self._job.orphaned = True
+            self._job.cancel()

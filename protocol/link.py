@@ -1,0 +1,331 @@
+"""A peer's connection to the broker: one DEALER, owned by one thread.
+
+Frontends and model workers reach the broker the same way, and differ only in
+what they say. So, as zguide keeps ``mdcliapi``/``mdwrkapi`` apart from the
+applications that use them, ``BrokerConnection`` owns the *how* (socket,
+heartbeats, silence, reconnect, decode) and a ``LinkHandler`` supplies the
+*what*, through callbacks in the style of ``asyncio.Protocol``.
+
+Threads. ZeroMQ sockets are not thread-safe, and sharing one behind a lock is
+the pattern zguide warns against, so the link's thread is the only user of
+its DEALER. Other threads hand messages over with ``send``: a FIFO plus an
+eventfd that the thread's poller watches next to the DEALER. The eventfd is
+written only when the link thread may be asleep, so a burst of frames costs
+one wake-up, not one system call each. One FIFO keeps each sending thread's
+messages in order (a job's TOKEN frames before its FINAL). Handler callbacks
+run in the link thread; a ``send`` from there goes straight to the socket.
+
+Liveness (zguide PPP, MDP). The link heartbeats every interval with whatever
+the handler's ``heartbeat`` says (a worker's carries LOADING or job
+progress). Any frame from the broker counts as a heartbeat. After interval ×
+liveness without one the broker is taken for gone: the handler hears
+``on_lost``, the DEALER is replaced by a new one (a fresh connection, so no
+stale frame queued for the dead broker is delivered to its successor), and
+the handler hears ``on_connect`` and registers again.
+
+Decode at the edge: a malformed frame is logged, counted and dropped; nothing
+from the network raises through the loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+import weakref
+
+import zmq
+
+from protocol import messages
+from protocol.curve import ClientKeys
+
+log = logging.getLogger("llamapool.link")
+
+
+class LinkHandler:
+    """What an application hears from its ``BrokerConnection``, and says to it.
+
+    Every method is called in the link's thread, which must not block in
+    them: heartbeats and the broker's frames wait meanwhile. The defaults do
+    nothing; subclasses override what they need.
+    """
+
+    def on_connect(self) -> None:
+        """A new DEALER is connecting (at start and after every loss):
+        the place to register (HELLO)."""
+
+    def on_message(self, msg: messages.Message) -> None:
+        """A well-formed message from the broker."""
+
+    def on_lost(self, silent_s: float) -> None:
+        """The broker was silent for a liveness window; a new DEALER follows."""
+
+    def on_malformed(self, error: messages.MalformedMessage) -> None:
+        """A frame that did not decode (already logged, counted and dropped)."""
+
+    def on_tick(self, now: float) -> None:
+        """Once per poll round, before polling: the application's timers."""
+
+    def heartbeat(self, now: float) -> messages.Message:
+        """What the heartbeat due at ``now`` says."""
+        return messages.Heartbeat()
+
+    def forward(self, msg: messages.Message) -> bool:
+        """Last look at a message another thread passed to ``send``, just
+        before it goes out; False drops it."""
+        return True
+
+
+class _Wakeup:
+    """A file descriptor that becomes readable when another thread has work
+    for the link thread (``zmq.Poller`` accepts raw fds).
+
+    ``notify`` writes only if no wake-up is pending. The reader ``clear``s
+    (reads, then resets the flag) *before* taking work, so a ``notify`` that
+    saw the flag still set is covered by that take.
+    """
+
+    def __init__(self) -> None:
+        self._eventfd = hasattr(os, "eventfd")
+        if self._eventfd:
+            fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self._read_fd = self._write_fd = fd
+        else:  # not Linux: a pipe does the same, one byte per wake-up
+            self._read_fd, self._write_fd = os.pipe()
+            os.set_blocking(self._read_fd, False)
+            os.set_blocking(self._write_fd, False)
+        self._pending = False
+        # The fds live exactly as long as this object: a sender racing
+        # ``stop`` must never write into an fd number reused for a file.
+        weakref.finalize(self, _close_fds, {self._read_fd, self._write_fd})
+
+    def fileno(self) -> int:
+        return self._read_fd
+
+    def notify(self) -> None:
+        if self._pending:
+            return
+        self._pending = True
+        try:
+            if self._eventfd:
+                os.eventfd_write(self._write_fd, 1)
+            else:
+                os.write(self._write_fd, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full: the reader is already due to wake
+
+    def clear(self) -> None:
+        try:
+            if self._eventfd:
+                os.eventfd_read(self._read_fd)  # resets the count to zero
+            else:
+                while os.read(self._read_fd, 4096):
+                    pass
+        except BlockingIOError:
+            pass  # nothing was pending
+        self._pending = False
+
+
+def _close_fds(fds: set[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+class BrokerConnection:
+    """One DEALER to the broker, its thread, its heartbeats and its outbox.
+
+    ``send`` is safe from any thread. Everything else that touches the socket
+    happens in the link's thread; ``last_heard``, ``malformed_dropped`` and
+    ``losses`` are plain values any thread may read.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        handler: LinkHandler,
+        *,
+        heartbeat_interval_s: float,
+        heartbeat_liveness: int,
+        curve: ClientKeys | None = None,
+        ctx: zmq.Context | None = None,
+        linger_ms: int = 0,
+        name: str = "broker-link",
+    ) -> None:
+        """
+        Args:
+            endpoint: the broker's ZeroMQ endpoint for this kind of peer.
+            handler: the application's callbacks.
+            heartbeat_interval_s: how often to heartbeat and check for silence.
+            heartbeat_liveness: intervals of silence after which the broker
+                is taken for gone.
+            curve: client keys for an encrypted link; None for plaintext.
+            ctx: the ZeroMQ context (default: the process's shared one).
+            linger_ms: how long frames still queued at ``stop`` may take to
+                leave (a worker's goodbye); a lost broker's DEALER never
+                lingers.
+            name: the thread's name.
+        """
+        self.endpoint = endpoint
+        self.handler = handler
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_liveness = heartbeat_liveness
+        self.curve = curve
+        self.ctx = ctx or zmq.Context.instance()
+        self.linger_ms = linger_ms
+        #: monotonic time the broker was last heard from (0: never).
+        self.last_heard = 0.0
+        self.malformed_dropped = 0
+        #: How many times the broker went silent and the link reconnected.
+        self.losses = 0
+        self._outbox: collections.deque[messages.Message] = collections.deque()
+        self._wakeup = _Wakeup()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread_id: int | None = None
+        self._sock: zmq.Socket | None = None
+        self._connected_at = 0.0
+
+    # --- any thread ------------------------------------------------------------
+
+    def start(self) -> BrokerConnection:
+        """Start the link's thread, which connects at once."""
+        self._thread.start()
+        return self
+
+    def send(self, msg: messages.Message) -> None:
+        """Send ``msg`` to the broker, in order with this thread's other sends.
+
+        From another thread it is queued for the link thread (and the
+        handler's ``forward`` sees it there); from the link thread, in a
+        callback, it goes out at once. After ``stop`` it is dropped.
+        """
+        if threading.get_ident() == self._thread_id:
+            self._write(msg)
+        elif not self._stopping:
+            self._outbox.append(msg)
+            self._wakeup.notify()
+
+    def stop(self) -> None:
+        """Ask the link thread to end: it forwards what is queued, closes the
+        DEALER (lingering ``linger_ms``) and returns. Safe from a callback."""
+        self._stopping = True
+        if threading.get_ident() != self._thread_id:
+            self._wakeup.notify()
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait for the link thread to end; True if it has (or never ran)."""
+        if self._thread.ident is None:
+            return True
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def alive(self, now: float | None = None) -> bool:
+        """Whether the broker was heard from within the liveness window."""
+        now = time.monotonic() if now is None else now
+        window = self.heartbeat_interval_s * self.heartbeat_liveness
+        return self.last_heard > 0 and now - self.last_heard < window
+
+    # --- the link thread ---------------------------------------------------------
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # No high-water mark: a full pipe must not drop frames silently. The
+        # credit window bounds what is in flight (see ``protocol.timing``).
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if self.curve is not None:
+            self.curve.apply(sock)
+        sock.connect(self.endpoint)
+        self._connected_at = time.monotonic()
+        self.handler.on_connect()
+        return sock
+
+    def _run(self) -> None:
+        self._thread_id = threading.get_ident()
+        interval_s = self.heartbeat_interval_s
+        window_s = interval_s * self.heartbeat_liveness
+        poller = zmq.Poller()
+        wakeup_fd = self._wakeup.fileno()
+        poller.register(wakeup_fd, zmq.POLLIN)
+        next_beat = 0.0  # the first heartbeat goes out at once
+        try:
+            sock = self._connect()
+            poller.register(sock, zmq.POLLIN)
+            while True:
+                self.handler.on_tick(time.monotonic())
+                if self._stopping:
+                    self._forward_outbox()
+                    break
+                wait_s = max(0.0, min(interval_s, next_beat - time.monotonic()))
+                ready = dict(poller.poll(wait_s * 1000))
+                if wakeup_fd in ready:
+                    self._forward_outbox()
+                if sock in ready:
+                    self._receive()
+                now = time.monotonic()
+                silent_s = now - max(self.last_heard, self._connected_at)
+                if silent_s > window_s:
+                    self.losses += 1
+                    log.warning("broker %s silent for %.1fs; reconnecting",
+                                self.endpoint, silent_s)
+                    self.handler.on_lost(silent_s)
+                    poller.unregister(sock)
+                    sock.close(linger=0)
+                    sock = self._connect()
+                    poller.register(sock, zmq.POLLIN)
+                if now >= next_beat:
+                    self._write(self.handler.heartbeat(now))
+                    next_beat = now + interval_s
+        finally:
+            self._stopping = True  # also if a callback raised: senders drop
+            self._thread_id = None
+            if self._sock is not None:
+                self._sock.close(linger=self.linger_ms)
+
+    def _forward_outbox(self) -> None:
+        # Clear before counting: a message appended after the clear has
+        # written a fresh wake-up, so what this round leaves is taken next
+        # round. Taking only the count keeps a busy sender from starving
+        # receives and heartbeats.
+        self._wakeup.clear()
+        for _ in range(len(self._outbox)):
+            msg = self._outbox.popleft()
+            if self.handler.forward(msg):
+                self._write(msg)
+
+    def _write(self, msg: messages.Message) -> None:
+        # Blocking, as these sends always were: with no high-water mark a
+        # DEALER blocks only when libzmq has dropped its connection for good
+        # (it never retries a refused CURVE handshake). The thread then stays
+        # put until the process ends, rather than redialling a broker that
+        # refuses this key (``tests/deploy/test_curve.py`` counts refusals).
+        self._sock.send_multipart(msg.to_wire())
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.last_heard = time.monotonic()
+            try:
+                msg = messages.decode(frames)
+            except messages.MalformedMessage as exc:
+                self.malformed_dropped += 1
+                n = self.malformed_dropped
+                # A garbage flood must not become a log flood.
+                if n <= 10 or n % 1000 == 0:
+                    log.warning("dropped malformed message #%d from broker: %s",
+                                n, exc)
+                self.handler.on_malformed(exc)
+                continue
+            try:
+                self.handler.on_message(msg)
+            except Exception:
+                # A well-formed message the application cannot handle is as
+                # bad as a malformed one, and must not end the link either.
+                log.exception("handling %s from the broker failed; dropped",
+                              type(msg).__name__)
