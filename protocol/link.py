@@ -137,8 +137,8 @@ class BrokerConnection:
     """One DEALER to the broker, its thread, its heartbeats and its outbox.
 
     ``send`` is safe from any thread. Everything else that touches the socket
-    happens in the link's thread; ``last_heard``, ``malformed_dropped`` and
-    ``losses`` are plain values any thread may read.
+    happens in the link's thread; ``last_heard``, ``malformed_dropped``,
+    ``losses`` and ``unsent_dropped`` are plain values any thread may read.
     """
 
     def __init__(
@@ -179,6 +179,8 @@ class BrokerConnection:
         self.malformed_dropped = 0
         #: How many times the broker went silent and the link reconnected.
         self.losses = 0
+        #: Messages dropped because the connection was gone for good.
+        self.unsent_dropped = 0
         self._outbox: collections.deque[messages.Message] = collections.deque()
         self._wakeup = _Wakeup()
         self._stopping = False
@@ -297,12 +299,16 @@ class BrokerConnection:
                 self._write(msg)
 
     def _write(self, msg: messages.Message) -> None:
-        # Blocking, as these sends always were: with no high-water mark a
-        # DEALER blocks only when libzmq has dropped its connection for good
-        # (it never retries a refused CURVE handshake). The thread then stays
-        # put until the process ends, rather than redialling a broker that
-        # refuses this key (``tests/deploy/test_curve.py`` counts refusals).
-        self._sock.send_multipart(msg.to_wire())
+        # Never blocking. With no high-water mark a DEALER is full only when
+        # libzmq has dropped its connection for good: it never retries a
+        # refused CURVE handshake. A blocking send would then hang this thread
+        # for the life of the process (no heartbeats, no systemd watchdog, no
+        # retry once the key is authorised). Dropped instead: the broker stays
+        # silent, so the liveness window brings a new DEALER, which redials.
+        try:
+            self._sock.send_multipart(msg.to_wire(), zmq.NOBLOCK)
+        except zmq.Again:
+            self.unsent_dropped += 1
 
     def _receive(self) -> None:
         while True:

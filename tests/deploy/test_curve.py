@@ -211,6 +211,11 @@ def test_unlisted_key_is_refused_and_counted(tmp_path, keys, tiny_model):
         # with a deadline that only a broken watcher reaches.
         wait_until(lambda: "refused this peer's CURVE public key"
                    in rogue_worker.log(), 90, "the rogue worker's error line")
+        # And it keeps redialling: its link never blocks on the connection
+        # libzmq dropped, so authorising its key later needs no restart.
+        wait_until(lambda: rogue_worker.log().count(
+            "refused this peer's CURVE public key") >= 2, 90,
+            "the rogue worker to redial and be refused again")
         print(f"\ncurve_refused={snap['counters']['curve_refused']}")
 
         def exported():
