@@ -25,6 +25,7 @@ import zmq
 from frontend import metrics
 from protocol import messages
 from protocol.curve import ClientKeys
+from protocol.payloads import GenerationRequest, PoolStatus
 
 log = logging.getLogger("llamapool.frontend")
 
@@ -121,7 +122,7 @@ class BrokerLink:
         with self._send_lock:
             self._push.send_multipart(frames)
 
-    def submit(self, job_id: str, request: dict,
+    def submit(self, job_id: str, request: GenerationRequest,
                prefix_blocks: list[int] | None = None) -> JobStream:
         """Open the job's stream, then send SUBMIT (so no frame can be missed)."""
         self.start()
@@ -134,7 +135,7 @@ class BrokerLink:
         """Stop routing frames to this job (late frames are dropped)."""
         self._streams.pop(job_id, None)
 
-    def status(self, timeout_s: float) -> dict | None:
+    def status(self, timeout_s: float) -> PoolStatus | None:
         """The broker's ledger snapshot, or None if it does not answer in time."""
         self.start()
         request_id = uuid.uuid4().hex

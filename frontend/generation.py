@@ -17,6 +17,7 @@ from frontend.errors import NoSlotAvailable, Unavailable, UpstreamError
 from frontend.lease import SlotLease
 from frontend.sse import JobOutcome
 from protocol import messages
+from protocol.payloads import GenerationRequest
 from protocol.prefix import prefix_blocks
 
 
@@ -32,7 +33,7 @@ class StartedJob:
 
 def start_job(
     link: BrokerLink,
-    generation: dict,
+    generation: GenerationRequest,
     *,
     submit_timeout_s: float,
     frame_timeout_s: float,
@@ -43,7 +44,7 @@ def start_job(
     outcome = outcome or JobOutcome()
     lease = SlotLease(job_id, link.send, link.forget, on_release)
     try:
-        tokens = generation.get("prompt_tokens")
+        tokens = generation.prompt_tokens
         stream = link.submit(job_id, generation,
                              prefix_blocks(tokens) if tokens else None)
         answer = stream.get(submit_timeout_s)

@@ -31,6 +31,7 @@ import zmq
 from protocol import messages, timing
 from protocol.curve import ClientKeys
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
+from protocol.payloads import JobProgress
 from workers.model.engine import Engine, RequestRejected
 
 log = logging.getLogger("llamapool.worker")
@@ -75,7 +76,8 @@ class ActiveJob:
         #: Set when the broker that gave us this job is gone: its frames are
         #: dropped instead of confusing a new broker.
         self.orphaned = False
-        self.progress: dict = {"job_id": self.job_id}
+        # The engine's latest report_progress() arguments; () before the first.
+        self._progress: tuple = ()
         self.stalled = False
 
     # --- called by the I/O thread ------------------------------------------------
@@ -116,15 +118,16 @@ class ActiveJob:
 
     def report_progress(self, n_prompt, n_generated, max_tokens, tokens_per_s,
                         n_ctx_used) -> None:
-        # Replaced whole, so the I/O thread always reads a consistent dict.
-        self.progress = {
-            "job_id": self.job_id,
-            "n_prompt": n_prompt,
-            "n_generated": n_generated,
-            "max_tokens": max_tokens,
-            "tokens_per_s": tokens_per_s,
-            "n_ctx_used": n_ctx_used,
-        }
+        # Called for every token: keep just a tuple, replaced whole so the I/O
+        # thread always reads a consistent set. The typed JobProgress is built
+        # once per heartbeat, in progress().
+        self._progress = (n_prompt, n_generated, max_tokens, tokens_per_s,
+                          n_ctx_used)
+
+    # --- called by the I/O thread, for heartbeats --------------------------------
+
+    def progress(self) -> JobProgress:
+        return JobProgress(self.job_id, *self._progress)
 
 
 class ModelWorker:
@@ -320,8 +323,8 @@ class ModelWorker:
                         beat = messages.Loading(self.name, self.model_label,
                                                 os.getpid(), socket.gethostname())
                     else:
-                        progress = job.progress if job is not None else {}
-                        beat = messages.Heartbeat(progress)
+                        beat = messages.Heartbeat(
+                            job.progress() if job is not None else None)
                     dealer.send_multipart(beat.to_wire())
                     next_beat = now + s.heartbeat_interval_s
                     self._sd.watchdog(now)
