@@ -169,8 +169,9 @@ class ModelsResource(LedgerView):
 
     def on_get(self, req, resp) -> None:
         status = self.link.status(self.settings.health_timeout_s)
+        slots = status.slots if status is not None else []
         models: dict[str, dict] = {}
-        for slot in status.slots if status is not None else []:
+        for slot in slots:
             entry = models.setdefault(
                 slot.model,
                 {"id": slot.model, "object": "model", "created": 0,

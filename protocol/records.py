@@ -25,6 +25,8 @@ That holds at every level of nesting.
 from __future__ import annotations
 
 import dataclasses
+import operator
+from collections.abc import Callable
 from typing import Any, ClassVar, Union
 
 
@@ -152,17 +154,18 @@ class WireRecord:
     # (the hot path) costs no reflection.
     _NAMES: ClassVar[tuple[str, ...]]
     _CHECKS: ClassVar[tuple]
-    _PACKERS: ClassVar[tuple | None]
+    #: Every field's value as a tuple, in one C call (``operator.attrgetter``).
+    _VALUES: ClassVar[Callable[[Any], tuple]]
+    #: (index, packer) of the fields that are not msgpack-ready as they are.
+    _PACK_AT: ClassVar[tuple[tuple[int, Callable[[Any], Any]], ...]]
     _REQUIRED: ClassVar[int]
 
     def to_body(self) -> list:
         """The msgpack-ready array of this record's fields, nested ones too."""
-        if self._PACKERS is None:
-            return [getattr(self, name) for name in self._NAMES]
-        return [
-            getattr(self, name) if pack is None else pack(getattr(self, name))
-            for name, pack in zip(self._NAMES, self._PACKERS)
-        ]
+        values = list(self._VALUES(self))
+        for i, pack in self._PACK_AT:
+            values[i] = pack(values[i])
+        return values
 
     @classmethod
     def from_body(cls, body: Any, where: str = "") -> WireRecord:
@@ -196,6 +199,13 @@ class WireRecord:
         return cls.from_body(value, where)
 
 
+def _values_getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:
+    if len(names) == 1:  # attrgetter of one name returns the bare value
+        name = names[0]
+        return lambda record: (getattr(record, name),)
+    return operator.attrgetter(*names)
+
+
 def wire_record(**field_types: Kind):
     """Class decorator: make a frozen dataclass with these field kinds."""
 
@@ -208,8 +218,12 @@ def wire_record(**field_types: Kind):
         cls.FIELD_TYPES = field_types
         cls._NAMES = names
         cls._CHECKS = tuple(_checker(field_types[n]) for n in names)
-        packers = tuple(_packer(field_types[n]) for n in names)
-        cls._PACKERS = None if all(p is None for p in packers) else packers
+        cls._VALUES = staticmethod(_values_getter(names))
+        cls._PACK_AT = tuple(
+            (i, pack)
+            for i, pack in enumerate(_packer(field_types[n]) for n in names)
+            if pack is not None
+        )
         cls._REQUIRED = sum(
             1
             for f in fields

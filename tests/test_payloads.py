@@ -143,6 +143,13 @@ def test_the_old_dict_request_is_rejected():
         decode_body(messages.Submit, ["j", {"kind": "completion", "prompt": "x"}])
 
 
+def test_prefix_blocks_are_ints():
+    body = messages.Submit("j", CHAT, [1, 2]).to_body()
+    body[2][1] = "2"
+    with pytest.raises(messages.MalformedMessage, match=r"prefix_blocks\[\]: str"):
+        decode_body(messages.Submit, body)
+
+
 @pytest.mark.parametrize("progress,why", [
     ({"job_id": "j", "n_generated": 3}, "progress: body is not an array"),
     (["j", "3"], r"progress\.n_prompt: str"),
