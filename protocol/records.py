@@ -5,8 +5,9 @@ fields in declaration order and is checked field by field when it arrives.
 The socket edge is the one place where a peer's bytes become Python objects,
 so it is the one place that decides whether they are what they claim to be:
 past ``from_body`` nobody re-checks a type, and nothing a peer sends can blow
-up later in the broker's loop (a string where a number belongs used to do
-exactly that, inside ``Ledger.retry_after_s``).
+up later in the broker's loop (a heartbeat with a string where a number
+belongs used to do exactly that, in the ledger's KV-cache and Retry-After
+arithmetic on the next STATUS or NO_SLOT).
 
 A field's kind is one of:
 
