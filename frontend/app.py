@@ -32,6 +32,7 @@ from frontend.settings import FrontendSettings
 from frontend.sse import EventStreamBody
 from protocol.curve import client_keys
 from protocol.errors import ErrorCode
+from protocol.payloads import JobProgress, PoolStatus, SlotStatus
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
@@ -102,13 +103,14 @@ class GenerationResource:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         s = self.settings
         parsed = self.parse(read_json_body(req, s.max_body_bytes))
+        generation = parsed.generation
         if self.gate is not None:
-            self.gate.check(parsed.generation)
+            generation = self.gate.check(generation)
         record = req.context.record
         record.stream = parsed.stream
         job = start_job(
             self.link,
-            parsed.generation,
+            generation,
             submit_timeout_s=s.submit_timeout_s,
             frame_timeout_s=s.frame_timeout_s,
             credit_batch_frames=s.credit_batch_frames,
@@ -150,7 +152,7 @@ class LedgerView:
         self.link = link
         self.settings = settings
 
-    def ledger(self, resp: falcon.Response) -> dict | None:
+    def ledger(self, resp: falcon.Response) -> PoolStatus | None:
         """The broker's snapshot, or None after answering 503 for it."""
         status = self.link.status(self.settings.health_timeout_s)
         if status is None:
@@ -163,14 +165,15 @@ class ModelsResource(LedgerView):
     """``GET /v1/models``: the models the live workers serve."""
 
     def on_get(self, req, resp) -> None:
-        status = self.link.status(self.settings.health_timeout_s) or {"slots": []}
+        status = self.link.status(self.settings.health_timeout_s)
+        slots = status.slots if status is not None else []
         models: dict[str, dict] = {}
-        for slot in status["slots"]:
+        for slot in slots:
             entry = models.setdefault(
-                slot["model"],
-                {"id": slot["model"], "object": "model", "created": 0,
-                 "owned_by": "llamapool", "meta": {"n_ctx": slot["n_ctx"],
-                                                   "engine": slot["engine"],
+                slot.model,
+                {"id": slot.model, "object": "model", "created": 0,
+                 "owned_by": "llamapool", "meta": {"n_ctx": slot.n_ctx,
+                                                   "engine": slot.engine,
                                                    "slots": 0}},
             )
             entry["meta"]["slots"] += 1
@@ -188,13 +191,13 @@ class HealthResource(LedgerView):
         status = self.ledger(resp)
         if status is None:
             return
-        if status["slots_total"] == 0:
+        if status.slots_total == 0:
             write_error(resp, Unavailable(ErrorCode.LOADING_MODEL, "Loading model"))
             return
         resp.media = {
             "status": "ok",
-            "slots_idle": status["slots_free"],
-            "slots_processing": status["slots_total"] - status["slots_free"],
+            "slots_idle": status.slots_free,
+            "slots_processing": status.slots_total - status.slots_free,
         }
 
 
@@ -221,29 +224,34 @@ class SlotsResource(LedgerView):
         status = self.ledger(resp)
         if status is None:
             return
-        resp.media = [public_slot(slot) for slot in status["slots"]]
+        resp.media = [public_slot(slot) for slot in status.slots]
 
 
-def public_slot(slot: dict) -> dict:
+#: What ``/slots`` shows for a slot with no progress yet (idle, or its job's
+#: first heartbeat has not arrived).
+_NO_PROGRESS = JobProgress(job_id="")
+
+
+def public_slot(slot: SlotStatus) -> dict:
     """One ``/slots`` entry, llama.cpp-style names. Never any prompt text: the
     broker does not have it."""
-    progress = slot.get("progress") or {}
+    progress = slot.progress or _NO_PROGRESS
     return {
-        "id": slot["id"],
-        "state": slot["state"],
-        "is_processing": slot["state"] in ("busy", "cancelling"),
-        "id_task": slot["id_task"],
-        "host": slot["host"],
-        "pid": slot["pid"],
-        "model": slot["model"],
-        "engine": slot["engine"],
-        "n_ctx": slot["n_ctx"],
-        "n_prompt_tokens": progress.get("n_prompt", 0),
-        "n_decoded": progress.get("n_generated", 0),
-        "tokens_per_second": progress.get("tokens_per_s", 0.0),
-        "kv_cache_tokens": progress.get("n_ctx_used", 0),
-        "lease_taken_at": slot.get("lease_taken_at"),
-        "jobs_served": slot["jobs_served"],
+        "id": slot.id,
+        "state": slot.state,
+        "is_processing": slot.state in ("busy", "cancelling"),
+        "id_task": slot.id_task,
+        "host": slot.host,
+        "pid": slot.pid,
+        "model": slot.model,
+        "engine": slot.engine,
+        "n_ctx": slot.n_ctx,
+        "n_prompt_tokens": progress.n_prompt,
+        "n_decoded": progress.n_generated,
+        "tokens_per_second": progress.tokens_per_s,
+        "kv_cache_tokens": progress.n_ctx_used,
+        "lease_taken_at": slot.lease_taken_at,
+        "jobs_served": slot.jobs_served,
     }
 
 

@@ -28,6 +28,7 @@ from protocol import messages
 from protocol.curve import ClientKeys
 from protocol.errors import ErrorCode
 from protocol.link import BrokerConnection, LinkHandler
+from protocol.payloads import GenerationRequest, PoolStatus
 
 log = logging.getLogger("llamapool.frontend")
 
@@ -115,7 +116,7 @@ class BrokerLink(LinkHandler):
     def send(self, msg: messages.Message) -> None:
         self._conn.send(msg)
 
-    def submit(self, job_id: str, request: dict,
+    def submit(self, job_id: str, request: GenerationRequest,
                prefix_blocks: list[int] | None = None) -> JobStream:
         """Open the job's stream, then send SUBMIT (so no frame can be missed)."""
         self.start()
@@ -128,7 +129,7 @@ class BrokerLink(LinkHandler):
         """Stop routing frames to this job (late frames are dropped)."""
         self._streams.pop(job_id, None)
 
-    def status(self, timeout_s: float) -> dict | None:
+    def status(self, timeout_s: float) -> PoolStatus | None:
         """The broker's ledger snapshot, or None if it does not answer in time."""
         self.start()
         request_id = uuid.uuid4().hex

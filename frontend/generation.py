@@ -20,12 +20,13 @@ from frontend.job import Job, JobOutcome
 from frontend.lease import LeaseEnding, SlotLease
 from protocol import messages
 from protocol.errors import ErrorCode
+from protocol.payloads import GenerationRequest
 from protocol.prefix import prefix_blocks
 
 
 def start_job(
     link: BrokerLink,
-    generation: dict,
+    generation: GenerationRequest,
     *,
     submit_timeout_s: float,
     frame_timeout_s: float,
@@ -43,7 +44,7 @@ def start_job(
     """
     lease = SlotLease(uuid.uuid4().hex, link.send, link.forget, on_release)
     try:
-        tokens = generation.get("prompt_tokens")
+        tokens = generation.prompt_tokens
         stream = link.submit(lease.job_id, generation,
                              prefix_blocks(tokens) if tokens else None)
         job = Job(lease, stream, send=link.send, frame_timeout_s=frame_timeout_s,

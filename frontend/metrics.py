@@ -28,6 +28,7 @@ from prometheus_client import (
     multiprocess,
 )
 
+from protocol.payloads import PoolStatus
 from workers.broker.metrics import PoolCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -82,7 +83,7 @@ class _DefaultRegistryView:
         yield from REGISTRY.collect()
 
 
-def render(snapshot: dict | None) -> bytes:
+def render(snapshot: PoolStatus | None) -> bytes:
     """The text exposition for one scrape (registry built per call)."""
     registry = CollectorRegistry()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

@@ -4,6 +4,10 @@ Everything a worker needs is checked here, at the HTTP door, so bad input
 never reaches a worker nor takes a slot. Each error names the offending field
 the way OpenAI does (``param``). Unknown fields are ignored, as clients send
 many we do not use.
+
+The result is a ``protocol.payloads.GenerationRequest``. A field the client
+leaves out (or sends as null) is left out here too, so it takes the default
+declared there: the one place the pool's sampling defaults are written.
 """
 
 from __future__ import annotations
@@ -13,26 +17,37 @@ import math
 from typing import Any
 
 from frontend.errors import BadRequest
+from protocol.payloads import (
+    CHAT,
+    CHAT_ROLES,
+    COMPLETION,
+    ChatMessage,
+    GenerationRequest,
+    Sampling,
+)
 
 #: Most stop strings per request (OpenAI allows 4; llama.cpp has no limit).
 MAX_STOP_STRINGS = 16
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+#: OpenAI's default ``max_tokens`` for completions (chat has none: the rest
+#: of the context).
+COMPLETION_MAX_TOKENS = 16
 
 
 @dataclasses.dataclass(frozen=True)
 class ParsedRequest:
     """What the frontend keeps about a request; ``generation`` goes to a worker."""
 
-    generation: dict
+    generation: GenerationRequest
     stream: bool
     include_usage: bool
     model: str | None
 
 
-def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
-    value = body.get(name, default)
+def _number(body: dict, name: str, lo=None, hi=None, integer=False):
+    """The field's value, checked; None if absent (the default applies)."""
+    value = body.get(name)
     if value is None:
-        return default
+        return None
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         kind = "an integer" if integer else "a number"
@@ -46,10 +61,15 @@ def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
     return value
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
+def _float(body: dict, name: str, lo=None, hi=None) -> float | None:
+    value = _number(body, name, lo, hi)
+    return None if value is None else float(value)
+
+
+def _bool(body: dict, name: str) -> bool | None:
+    value = body.get(name)
     if value is None:
-        return default
+        return None
     if not isinstance(value, bool):
         raise BadRequest(f"'{name}' must be a boolean", param=name)
     return value
@@ -71,7 +91,7 @@ def _stop(body: dict) -> list[str]:
     raise BadRequest("'stop' must be a string or a list of strings", param="stop")
 
 
-def _sampling(body: dict) -> dict:
+def _max_tokens(body: dict) -> int | None:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is not None and (
@@ -80,29 +100,33 @@ def _sampling(body: dict) -> dict:
         raise BadRequest(f"'{param}' must be an integer", param=param)
     if max_tokens is not None and max_tokens < 0:
         raise BadRequest(f"'{param}' must be >= 0, got {max_tokens}", param=param)
-    n = _number(body, "n", 1, integer=True)
-    if n != 1:
+    return max_tokens
+
+
+def _sampling(body: dict) -> Sampling:
+    n = _number(body, "n", integer=True)
+    if n not in (None, 1):
         raise BadRequest("only n=1 is supported", param="n")
-    seed = _number(body, "seed", None, integer=True)
+    seed = _number(body, "seed", integer=True)
     if seed is not None and not 0 <= seed < 2**32:
         raise BadRequest("'seed' must be in [0, 2^32)", param="seed")
-    return {
-        "max_tokens": max_tokens,
-        "temperature": float(_number(body, "temperature", 0.8, 0, 2)),
-        "top_p": float(_number(body, "top_p", 0.95, 0, 1)),
-        "top_k": _number(body, "top_k", 40, 0, None, integer=True),
-        "min_p": float(_number(body, "min_p", 0.05, 0, 1)),
-        "repeat_penalty": float(_number(body, "repeat_penalty", 1.0, 0, None)),
-        "presence_penalty": float(_number(body, "presence_penalty", 0.0, -2, 2)),
-        "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, -2, 2)),
+    given = {
+        "temperature": _float(body, "temperature", 0, 2),
+        "top_p": _float(body, "top_p", 0, 1),
+        "top_k": _number(body, "top_k", 0, None, integer=True),
+        "min_p": _float(body, "min_p", 0, 1),
+        "repeat_penalty": _float(body, "repeat_penalty", 0, None),
+        "presence_penalty": _float(body, "presence_penalty", -2, 2),
+        "frequency_penalty": _float(body, "frequency_penalty", -2, 2),
         "seed": seed,
-        "ignore_eos": _bool(body, "ignore_eos", False),
-        "stop": _stop(body),
+        "ignore_eos": _bool(body, "ignore_eos"),
     }
+    # Left out: Sampling's own defaults apply.
+    return Sampling(**{k: v for k, v in given.items() if v is not None})
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
-    stream = _bool(body, "stream", False)
+    stream = bool(_bool(body, "stream"))
     options = body.get("stream_options")
     if options is None:
         return stream, False
@@ -139,9 +163,14 @@ def parse_completion(body: Any) -> ParsedRequest:
     if body.get("logprobs") not in (None, 0, False):
         raise BadRequest("'logprobs' is not supported", param="logprobs")
     stream, include_usage = _stream_options(body)
-    generation = {"kind": "completion", "prompt": prompt, **_sampling(body)}
-    if generation["max_tokens"] is None:
-        generation["max_tokens"] = 16  # OpenAI's default for completions
+    max_tokens = _max_tokens(body)
+    generation = GenerationRequest(
+        kind=COMPLETION,
+        prompt=prompt,
+        max_tokens=COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
+        sampling=_sampling(body),
+        stop=_stop(body),
+    )
     return ParsedRequest(generation, stream, include_usage, _model(body))
 
 
@@ -182,11 +211,17 @@ def parse_chat(body: Any) -> ParsedRequest:
             raise BadRequest(f"{where}.role must be one of {sorted(CHAT_ROLES)}",
                              param=f"{where}.role")
         content = _content_text(message.get("content"), where)
-        chat.append({"role": role, "content": content})
+        chat.append(ChatMessage(role, content))
     if body.get("tools") or body.get("functions"):
         raise BadRequest("tool calling is not supported", param="tools")
     if body.get("logprobs"):
         raise BadRequest("'logprobs' is not supported", param="logprobs")
     stream, include_usage = _stream_options(body)
-    generation = {"kind": "chat", "messages": chat, **_sampling(body)}
+    generation = GenerationRequest(
+        kind=CHAT,
+        messages=chat,
+        max_tokens=_max_tokens(body),
+        sampling=_sampling(body),
+        stop=_stop(body),
+    )
     return ParsedRequest(generation, stream, include_usage, _model(body))

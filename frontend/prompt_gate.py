@@ -8,9 +8,11 @@ prompt before generating (HTTP 400 either way).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 from frontend.errors import BadRequest
+from protocol.payloads import CHAT, GenerationRequest
 
 
 class PromptGate:
@@ -38,8 +40,9 @@ class PromptGate:
                     )
         return self._builder
 
-    def check(self, generation: dict) -> None:
-        """Attach ``prompt_tokens``; raise 400 if the prompt cannot fit."""
+    def check(self, generation: GenerationRequest) -> GenerationRequest:
+        """The request with ``prompt_tokens`` (and the chat format's stop
+        strings) attached; raise 400 if the prompt cannot fit."""
         from workers.model.prompting import PromptError
 
         try:
@@ -48,11 +51,11 @@ class PromptGate:
             raise BadRequest(f"cannot render messages: {exc}",
                              param="messages") from None
         if len(tokens) >= self.n_ctx:
-            param = "messages" if generation["kind"] == "chat" else "prompt"
+            param = "messages" if generation.kind == CHAT else "prompt"
             raise BadRequest(
                 f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx}",
                 param=param,
                 code="context_length_exceeded",
             )
-        generation["prompt_tokens"] = tokens
-        generation["extra_stops"] = stops
+        return dataclasses.replace(generation, prompt_tokens=tokens,
+                                   extra_stops=stops)

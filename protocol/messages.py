@@ -5,8 +5,11 @@ Every multipart message is::
     [PROTOCOL_HEADER, command byte, msgpack body]
 
 (a ROUTER socket adds the peer identity in front). The body is a msgpack array
-of the message's fields in declaration order. New optional fields go at the
-end with defaults, so an older peer's shorter array still decodes.
+of the message's fields in declaration order; a field that is itself a typed
+payload (``protocol.payloads``: the generation request, heartbeat progress,
+the status snapshot) is a nested array, checked the same way
+(``protocol.records``). New optional fields go at the end with defaults, so an
+older peer's shorter array still decodes.
 
 A job's frames are zero or more TOKEN followed by exactly one terminal frame,
 FINAL or ERROR (zguide MDP's PARTIAL... FINAL).
@@ -26,9 +29,19 @@ Peers and what they send:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import msgpack
+
+from protocol.payloads import GenerationRequest, JobProgress, PoolStatus
+from protocol.records import (
+    Kind,
+    ListOf,
+    MalformedMessage,
+    Optional,
+    WireRecord,
+    wire_record,
+)
 
 #: Protocol name and version. Bump the digits on any breaking change.
 PROTOCOL_HEADER = b"LLAMAPOOL02"
@@ -38,75 +51,33 @@ PROTOCOL_HEADER = b"LLAMAPOOL02"
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
-class MalformedMessage(ValueError):
-    """A frame sequence that is not a valid message of this protocol version."""
-
-
-# Field kinds: a tuple of accepted Python types after msgpack decoding.
+# Field kinds (``protocol.records``): scalars as tuples of accepted types.
 _STR = (str,)
 _INT = (int,)
 _NUM = (int, float)
 _MAP = (dict,)
-_LIST = (list,)
 
 
 @dataclasses.dataclass(frozen=True)
-class Message:
+class Message(WireRecord):
     """Base class. Subclasses set ``COMMAND`` and declare typed fields."""
 
     COMMAND: ClassVar[bytes]
-    #: field name -> accepted types; filled in by ``_register``.
-    FIELD_TYPES: ClassVar[dict[str, tuple[type, ...]]]
 
     def to_wire(self) -> list[bytes]:
         """Encode as the frames that follow any routing identity."""
-        body = [getattr(self, f.name) for f in dataclasses.fields(self)]
-        return [PROTOCOL_HEADER, self.COMMAND, msgpack.packb(body)]
-
-    @classmethod
-    def from_body(cls, body: Any) -> Message:
-        """Build from a decoded msgpack body, checking every field."""
-        if not isinstance(body, list):
-            raise MalformedMessage(f"{cls.__name__}: body is not an array")
-        fields = dataclasses.fields(cls)
-        required = sum(
-            1
-            for f in fields
-            if f.default is dataclasses.MISSING
-            and f.default_factory is dataclasses.MISSING
-        )
-        if len(body) < required:
-            raise MalformedMessage(
-                f"{cls.__name__}: {len(body)} fields, need {required}"
-            )
-        # Extra trailing fields come from a newer peer; ignore them.
-        values = {}
-        for field, value in zip(fields, body):
-            accepted = cls.FIELD_TYPES[field.name]
-            # bool is an int subclass; never accept it where a number is meant.
-            if not isinstance(value, accepted) or (
-                isinstance(value, bool) and bool not in accepted
-            ):
-                raise MalformedMessage(
-                    f"{cls.__name__}.{field.name}: {type(value).__name__}"
-                )
-            values[field.name] = value
-        return cls(**values)
+        return [PROTOCOL_HEADER, self.COMMAND, msgpack.packb(self.to_body())]
 
 
 _BY_COMMAND: dict[bytes, type[Message]] = {}
 
 
-def _register(command: int, **field_types: tuple[type, ...]):
-    """Class decorator: bind a command byte and the accepted field types."""
+def _register(command: int, **field_types: Kind):
+    """Class decorator: bind a command byte and the accepted field kinds."""
 
     def wrap(cls: type[Message]) -> type[Message]:
-        cls = dataclasses.dataclass(frozen=True)(cls)
-        names = [f.name for f in dataclasses.fields(cls)]
-        if sorted(names) != sorted(field_types):
-            raise TypeError(f"{cls.__name__}: field types do not match fields")
+        cls = wire_record(**field_types)(cls)
         cls.COMMAND = bytes([command])
-        cls.FIELD_TYPES = field_types
         _BY_COMMAND[cls.COMMAND] = cls
         return cls
 
@@ -147,15 +118,12 @@ class Hello(Message):
     host: str
 
 
-@_register(0x03, progress=_MAP)
+@_register(0x03, progress=Optional(JobProgress))
 class Heartbeat(Message):
-    """Any direction. Workers attach live progress of their current job.
+    """Any direction. A busy worker attaches its job's live progress; an idle
+    worker, the broker and frontends send none."""
 
-    ``progress`` keys sent by a busy worker: ``job_id``, ``n_prompt``,
-    ``n_generated``, ``max_tokens``, ``tokens_per_s``, ``n_ctx_used``.
-    """
-
-    progress: dict = dataclasses.field(default_factory=dict)
+    progress: JobProgress | None = None
 
 
 @_register(0x04, reason=_STR)
@@ -168,20 +136,22 @@ class Disconnect(Message):
 # --- jobs --------------------------------------------------------------------
 
 
-@_register(0x10, job_id=_STR, request=_MAP, prefix_blocks=_LIST)
+@_register(0x10, job_id=_STR, request=GenerationRequest,
+           prefix_blocks=ListOf(_INT))
 class Submit(Message):
     """Frontend -> broker -> worker: run one generation.
 
-    ``request`` is the validated generation request (see
-    ``frontend.openai_schema``); the broker does not look inside it.
+    ``request`` was validated at the HTTP door (``frontend.openai_schema``);
+    the broker checks its types on decode like any field, and looks no
+    further inside it.
     ``prefix_blocks`` are running hashes of the prompt's tokens, one per
     block (``protocol.prefix``); the broker routes to the idle worker whose
     KV cache already holds the longest run of them.
     """
 
     job_id: str
-    request: dict
-    prefix_blocks: list = dataclasses.field(default_factory=list)
+    request: GenerationRequest
+    prefix_blocks: list[int] = dataclasses.field(default_factory=list)
 
 
 @_register(0x11, job_id=_STR, slot_id=_INT, model=_STR)
@@ -268,12 +238,12 @@ class Status(Message):
     request_id: str
 
 
-@_register(0x21, request_id=_STR, snapshot=_MAP)
+@_register(0x21, request_id=_STR, snapshot=PoolStatus)
 class StatusReply(Message):
-    """Broker -> asker: ``snapshot`` is ``Ledger.snapshot()`` plus counters."""
+    """Broker -> asker: the ledger and the pool's totals (``Broker.snapshot``)."""
 
     request_id: str
-    snapshot: dict
+    snapshot: PoolStatus
 
 
 TERMINAL = (Final, Error)

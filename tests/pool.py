@@ -124,6 +124,7 @@ class BrokerProbe:
         self.sock.connect(endpoint)
 
     def status(self, timeout_s: float = 2.0) -> dict | None:
+        """The broker's snapshot as a dict (``PoolStatus.to_dict``), or None."""
         request_id = uuid.uuid4().hex
         self.sock.send_multipart(messages.Status(request_id).to_wire())
         deadline = time.monotonic() + timeout_s
@@ -132,7 +133,7 @@ class BrokerProbe:
                 return None
             msg = messages.decode(self.sock.recv_multipart())
             if isinstance(msg, messages.StatusReply) and msg.request_id == request_id:
-                return msg.snapshot
+                return msg.snapshot.to_dict()
         return None
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 from protocol import messages
+from protocol.payloads import JobProgress
 from workers.broker.ledger import IDLE, Ledger
 
 TIMEOUT_S = 3.0
@@ -90,7 +91,8 @@ def test_retry_after_comes_from_live_progress():
     ledger = Ledger(TIMEOUT_S)
     ledger.register_worker(b"w", ready("w"), 0)
     slot = ledger.assign("j", b"f", 0)
-    slot.progress = {"n_generated": 10, "max_tokens": 110, "tokens_per_s": 20.0}
+    slot.progress = JobProgress("j", n_generated=10, max_tokens=110,
+                                tokens_per_s=20.0)
     assert ledger.retry_after_s() == 5.0  # 100 tokens left at 20/s
 
 

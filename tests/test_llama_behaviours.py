@@ -20,6 +20,7 @@ import time
 import llama_cpp
 import pytest
 
+from protocol.payloads import GenerationRequest, Sampling
 from workers.model.llama_engine import LlamaEngine
 
 
@@ -52,8 +53,10 @@ def engine(tiny_model):
     return LlamaEngine(str(tiny_model), n_ctx=512, n_threads=1)
 
 
-def completion(prompt, **kw):
-    return {"kind": "completion", "prompt": prompt, "temperature": 0.0, **kw}
+def completion(prompt, ignore_eos=False, **kw):
+    return GenerationRequest(
+        "completion", prompt,
+        sampling=Sampling(temperature=0.0, ignore_eos=ignore_eos), **kw)
 
 
 # --- 1. the worker's own loop ----------------------------------------------------

@@ -18,6 +18,7 @@ import urllib.request
 import httpx
 import pytest
 
+from protocol.payloads import ChatMessage, GenerationRequest
 from tests.pool import Pool, Proc, cli, free_port, wait_until
 from workers.model.engine import RequestRejected
 from workers.model.synthetic_engine import SyntheticEngine
@@ -313,8 +314,7 @@ FAST = SyntheticEngine(tokens_per_second=100_000, n_ctx=64)
 
 def test_synthetic_engine_max_tokens_and_progress():
     sink = RecordingSink()
-    result = FAST.run({"kind": "completion", "prompt": "a b c", "max_tokens": 3},
-                      sink)
+    result = FAST.run(GenerationRequest("completion", "a b c", max_tokens=3), sink)
     assert sink.emitted == [("tok0", 1), (" tok1", 1), (" tok2", 1)]
     assert (result.finish_reason, result.prompt_tokens,
             result.completion_tokens) == ("length", 3, 3)
@@ -323,8 +323,8 @@ def test_synthetic_engine_max_tokens_and_progress():
 
 def test_synthetic_engine_holds_back_a_possible_stop_prefix():
     sink = RecordingSink()
-    result = FAST.run({"kind": "completion", "prompt": "a", "max_tokens": 3,
-                       "stop": ["tok2x"]}, sink)
+    result = FAST.run(GenerationRequest("completion", "a", max_tokens=3,
+                                        stop=["tok2x"]), sink)
     assert "".join(t for t, _ in sink.emitted) == "tok0 tok1 "
     # The held-back "tok2" never turned into the stop string: released at the end.
     assert (result.tail_text, result.finish_reason) == ("tok2", "length")
@@ -332,28 +332,29 @@ def test_synthetic_engine_holds_back_a_possible_stop_prefix():
 
 def test_synthetic_engine_cancel_and_stall():
     cancelled = RecordingSink(stop_after=2)
-    result = FAST.run({"kind": "completion", "prompt": "a", "max_tokens": 50},
+    result = FAST.run(GenerationRequest("completion", "a", max_tokens=50),
                       cancelled)
     assert result.finish_reason == "cancelled" and len(cancelled.emitted) == 2
     stalled = RecordingSink(credit=False)
-    result = FAST.run({"kind": "completion", "prompt": "a", "max_tokens": 50},
+    result = FAST.run(GenerationRequest("completion", "a", max_tokens=50),
                       stalled)
     assert result.finish_reason == "cancelled" and stalled.emitted == []
 
 
 def test_synthetic_engine_chat_prompt_and_context():
     sink = RecordingSink()
-    chat = {"kind": "chat", "max_tokens": None,
-            "messages": [{"role": "user", "content": "one two"},
-                         {"role": "user", "content": "three"}]}
+    chat = GenerationRequest("chat", max_tokens=None,
+                             messages=[ChatMessage("user", "one two"),
+                                       ChatMessage("user", "three")])
     result = FAST.run(chat, sink)
     # No max_tokens: the rest of the context.
     assert (result.prompt_tokens, result.completion_tokens) == (3, 61)
     with pytest.raises(RequestRejected):
-        FAST.run({"kind": "completion", "prompt": "w " * 64, "max_tokens": 1},
+        FAST.run(GenerationRequest("completion", "w " * 64, max_tokens=1),
                  RecordingSink())
-    tokenised = FAST.run({"kind": "completion", "prompt": "ignored",
-                          "prompt_tokens": [1, 2, 3, 4], "max_tokens": 0}, sink)
+    tokenised = FAST.run(GenerationRequest("completion", "ignored",
+                                           prompt_tokens=[1, 2, 3, 4],
+                                           max_tokens=0), sink)
     assert (tokenised.prompt_tokens, tokenised.completion_tokens) == (4, 0)
 
 

@@ -10,19 +10,36 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol import messages
+from protocol.records import ListOf, MapOf, OneOf, Optional
 
 SAMPLE_VALUES = {
     (str,): "job-1",
     (int,): 7,
     (int, float): 1.5,
+    (bool,): True,
     (dict,): {"k": [1, "v"]},
     (list,): [1, 2, 3],
 }
 
 
+def sample_value(kind):
+    """A valid value of any field kind; nested payloads are filled in too."""
+    if isinstance(kind, tuple):
+        return SAMPLE_VALUES[kind]
+    if isinstance(kind, ListOf):
+        return [sample_value(kind.item), sample_value(kind.item)]
+    if isinstance(kind, MapOf):
+        return {SAMPLE_VALUES[kind.key_types]: SAMPLE_VALUES[kind.value_types]}
+    if isinstance(kind, Optional):
+        return sample_value(kind.kind)
+    if isinstance(kind, OneOf):
+        return sorted(kind.values)[0]
+    return sample(kind)  # a nested record
+
+
 def sample(cls):
     return cls(**{
-        name: SAMPLE_VALUES[types] for name, types in cls.FIELD_TYPES.items()
+        name: sample_value(types) for name, types in cls.FIELD_TYPES.items()
     })
 
 

@@ -32,6 +32,7 @@ import msgpack
 import zmq
 
 from protocol import messages
+from protocol.payloads import GenerationRequest
 from tests.bench import harness
 from tests.pool import BrokerProbe, free_port, wait_until
 
@@ -126,8 +127,8 @@ def broker_frames(n_workers: int, duration_s: float) -> dict:
             sock.send_multipart(messages.Hello(os.getpid(), socket.gethostname())
                                 .to_wire())
             for _ in range(n_workers):
-                request = {"kind": "completion", "prompt": "x",
-                           "max_tokens": HUGE_CTX // 2}
+                request = GenerationRequest("completion", "x",
+                                            max_tokens=HUGE_CTX // 2)
                 sock.send_multipart(messages.Submit(uuid.uuid4().hex, request)
                                     .to_wire())
             cpu_before = harness.cpu_seconds(broker.pid)

@@ -19,7 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from protocol.payloads import GenerationRequest, Sampling
 from tests.bench import harness
+
+#: The pool's sampling defaults, for the create_completion baseline.
+DEFAULTS = Sampling()
 
 PROMPT = "Hello world"
 
@@ -45,7 +49,9 @@ def time_create_completion(llama, n_tokens: int, processors) -> tuple[float, int
     n = 0
     for _chunk in llama.create_completion(
         PROMPT, max_tokens=n_tokens, stream=True, logits_processor=processors,
-        temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
+        temperature=DEFAULTS.temperature, top_k=DEFAULTS.top_k,
+        top_p=DEFAULTS.top_p, min_p=DEFAULTS.min_p,
+        repeat_penalty=DEFAULTS.repeat_penalty,
     ):
         n += 1
     return time.perf_counter() - started, n
@@ -58,8 +64,9 @@ def time_generate(llama, n_tokens: int, processors) -> tuple[float, int]:
 
 def time_engine(engine, n_tokens: int) -> tuple[float, int]:
     started = time.perf_counter()
-    result = engine.run({"kind": "completion", "prompt": PROMPT,
-                         "max_tokens": n_tokens, "ignore_eos": True}, NullSink())
+    result = engine.run(GenerationRequest("completion", PROMPT, max_tokens=n_tokens,
+                                          sampling=Sampling(ignore_eos=True)),
+                        NullSink())
     return time.perf_counter() - started, result.completion_tokens
 
 

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from llamapool import loadgen
+from protocol.payloads import Sampling
 from tests.pool import free_port, wait_until
 
 STOP_TIMEOUT_S = 40.0
@@ -231,9 +232,12 @@ class LoopTiming:
         return (self.tokens - 1) / decode_s if decode_s > 0 else 0.0
 
 
-#: The LlamaEngine's sampling defaults, so in-process loops do the same work.
-SAMPLING = {"temp": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
-            "repeat_penalty": 1.0}
+_DEFAULTS = Sampling()
+#: The pool's sampling defaults (``protocol.payloads.Sampling``) as
+#: ``Llama.generate`` keywords, so in-process loops do the same work.
+SAMPLING = {"temp": _DEFAULTS.temperature, "top_k": _DEFAULTS.top_k,
+            "top_p": _DEFAULTS.top_p, "min_p": _DEFAULTS.min_p,
+            "repeat_penalty": _DEFAULTS.repeat_penalty}
 
 
 def load_llama(model: str, n_threads: int, n_ctx: int = 2048):

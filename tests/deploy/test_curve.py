@@ -24,6 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from llamapool.exit_codes import ExitCode
 from protocol import curve, messages
+from protocol.payloads import GenerationRequest
 from tests.deploy.helpers import CurveProbe, keygen
 from tests.pool import TEST_HEARTBEAT, Proc, cli, free_port, wait_until
 
@@ -182,7 +183,8 @@ def test_unlisted_key_is_refused_and_counted(tmp_path, keys, tiny_model):
         monitor = rogue.get_monitor_socket()
         monitor.setsockopt(zmq.LINGER, 0)
         rogue.connect(frontends)
-        submit = messages.Submit("rogue-job", {"prompt": "hi", "max_tokens": 4})
+        submit = messages.Submit(
+            "rogue-job", GenerationRequest("completion", "hi", max_tokens=4))
         try_send(rogue, messages.Hello(os.getpid(), "rogue").to_wire())
         try_send(rogue, submit.to_wire())
         _wait_auth_failed(monitor, timeout_s=10)

@@ -28,6 +28,7 @@ import zmq
 from protocol import messages, timing
 from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
+from protocol.payloads import PoolStatus
 from protocol.prefix import MAX_BLOCKS
 from workers.broker import ledger as ledger_mod
 from workers.broker.metrics import LatestSnapshotCollector
@@ -297,8 +298,10 @@ class Broker:
             self._to_worker(ident, messages.Disconnect("unknown worker"))
             return
         if isinstance(msg, messages.Heartbeat):
-            if msg.progress.get("job_id") == slot.job_id and slot.job_id:
-                slot.progress = msg.progress
+            progress = msg.progress
+            if progress is not None and slot.job_id and (
+                    progress.job_id == slot.job_id):
+                slot.progress = progress
         elif isinstance(msg, messages.Disconnect):
             # The worker is shutting down: no new jobs. Its current job (if
             # any) still ends with a terminal frame, which frees the slot.
@@ -372,11 +375,5 @@ class Broker:
         for ident in list(self.ledger.frontends):
             self._to_frontend(ident, beat)
 
-    def snapshot(self, now: float) -> dict:
-        snap = self.ledger.snapshot(now)
-        snap["counters"] = dict(self.counters)
-        snap["stats"] = self.stats.to_dict()
-        # Kept at the top level too: tests and operators read it directly.
-        snap["cancel_release_s"] = snap["stats"]["cancel_release_s"]
-        snap["retry_after_s"] = self.ledger.retry_after_s()
-        return snap
+    def snapshot(self, now: float) -> PoolStatus:
+        return self.ledger.snapshot(now, dict(self.counters), self.stats.totals())

@@ -22,6 +22,7 @@ import math
 import time
 
 from protocol import messages, timing
+from protocol.payloads import JobProgress, PoolStatus, PoolTotals, SlotStatus
 from protocol.prefix import shared_blocks
 
 LOADING = "loading"
@@ -42,7 +43,8 @@ class WorkerSlot:
     state: str = IDLE
     job_id: str | None = None
     lease_taken_at: float | None = None
-    progress: dict = dataclasses.field(default_factory=dict)
+    #: The current job's last heartbeat (None while idle or before it).
+    progress: JobProgress | None = None
     jobs_served: int = 0
     # When the worker last became idle; the least recently used idle worker
     # gets the next job, which spreads load evenly.
@@ -193,7 +195,7 @@ class Ledger:
         slot.state = BUSY
         slot.job_id = job_id
         slot.lease_taken_at = now
-        slot.progress = {}
+        slot.progress = None
         self.jobs[job_id] = Job(job_id, frontend, slot.identity, now)
         return slot
 
@@ -218,7 +220,7 @@ class Ledger:
             slot.state = IDLE
             slot.job_id = None
             slot.lease_taken_at = None
-            slot.progress = {}
+            slot.progress = None
             slot.jobs_served += 1
             slot.idle_since = now
         return job
@@ -240,7 +242,7 @@ class Ledger:
     def kv_cache_usage(self) -> float:
         """Mean KV-cache fill of the busy slots (0.0 when none is busy)."""
         levels = [
-            min(1.0, w.progress.get("n_ctx_used", 0) / w.info.n_ctx)
+            min(1.0, (w.progress.n_ctx_used if w.progress else 0) / w.info.n_ctx)
             for w in self.workers.values()
             if w.state in (BUSY, CANCELLING) and w.info.n_ctx > 0
         ]
@@ -256,48 +258,53 @@ class Ledger:
         estimates = []
         for slot in self.workers.values():
             p = slot.progress
-            speed = p.get("tokens_per_s") or 0.0
-            remaining = (p.get("max_tokens") or 0) - (p.get("n_generated") or 0)
+            if p is None:
+                continue
+            speed = p.tokens_per_s
+            remaining = p.max_tokens - p.n_generated
             if speed > 0 and remaining >= 0:
                 estimates.append(remaining / speed)
         hint = min(estimates) if estimates else timing.RETRY_AFTER_MIN_S
         hint = max(timing.RETRY_AFTER_MIN_S, min(timing.RETRY_AFTER_MAX_S, hint))
         return float(math.ceil(hint))
 
-    def snapshot(self, now: float) -> dict:
-        """A msgpack-safe view for STATUS replies (no prompt text)."""
-        slots = []
-        for w in sorted(self.workers.values(), key=lambda w: w.slot_id):
-            slots.append(
-                {
-                    "id": w.slot_id,
-                    "state": w.state,
-                    "id_task": w.job_id,
-                    "worker_name": w.info.worker_name,
-                    "host": w.info.host,
-                    "pid": w.info.pid,
-                    "model": w.info.model,
-                    "engine": w.info.engine,
-                    "n_ctx": w.info.n_ctx,
-                    "lease_age_s": (now - w.lease_taken_at)
-                    if w.lease_taken_at is not None
-                    else None,
-                    # Wall-clock time the lease was taken (the ledger runs on
-                    # the monotonic clock; this converts for humans).
-                    "lease_taken_at": time.time() - (now - w.lease_taken_at)
-                    if w.lease_taken_at is not None
-                    else None,
-                    "jobs_served": w.jobs_served,
-                    "progress": dict(w.progress),
-                }
+    def snapshot(self, now: float, counters: dict[str, int],
+                 stats: PoolTotals) -> PoolStatus:
+        """The STATUS reply: this ledger, plus the broker's ``counters`` and
+        ``stats`` (no prompt text: the ledger never has any)."""
+        wall_now = time.time()
+        slots = [
+            SlotStatus(
+                id=w.slot_id,
+                state=w.state,
+                id_task=w.job_id,
+                worker_name=w.info.worker_name,
+                host=w.info.host,
+                pid=w.info.pid,
+                model=w.info.model,
+                engine=w.info.engine,
+                n_ctx=w.info.n_ctx,
+                lease_age_s=None if w.lease_taken_at is None
+                else now - w.lease_taken_at,
+                # The ledger runs on the monotonic clock; this converts for
+                # humans.
+                lease_taken_at=None if w.lease_taken_at is None
+                else wall_now - (now - w.lease_taken_at),
+                jobs_served=w.jobs_served,
+                progress=w.progress,
             )
-        return {
-            "slots": slots,
-            "slots_total": self.live_slots(),
-            "slots_loading": len(self.workers) - self.live_slots(),
-            "slots_busy": self.busy_slots(),
-            "slots_free": self.free_slots(),
-            "kv_cache_usage_level": self.kv_cache_usage(),
-            "jobs": len(self.jobs),
-            "frontends": len(self.frontends),
-        }
+            for w in sorted(self.workers.values(), key=lambda w: w.slot_id)
+        ]
+        return PoolStatus(
+            slots=slots,
+            slots_total=self.live_slots(),
+            slots_loading=len(self.workers) - self.live_slots(),
+            slots_busy=self.busy_slots(),
+            slots_free=self.free_slots(),
+            kv_cache_usage_level=self.kv_cache_usage(),
+            jobs=len(self.jobs),
+            frontends=len(self.frontends),
+            counters=counters,
+            stats=stats,
+            retry_after_s=self.retry_after_s(),
+        )

@@ -16,17 +16,19 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
+from protocol.payloads import PoolStatus
+
 
 class PoolCollector:
     """Renders one broker snapshot as metric families (per scrape)."""
 
-    def __init__(self, snapshot: dict) -> None:
+    def __init__(self, snapshot: PoolStatus) -> None:
         self.snapshot = snapshot
 
     def collect(self):
         snap = self.snapshot
-        stats = snap["stats"]
-        counters = snap["counters"]
+        stats = snap.stats
+        counters = snap.counters
 
         def counter(name, doc, value):
             return CounterMetricFamily(name, doc, value=value)
@@ -35,32 +37,32 @@ class PoolCollector:
             return GaugeMetricFamily(name, doc, value=value)
 
         yield counter("llama_prompt_tokens_total", "Prompt tokens processed",
-                      stats["prompt_tokens_total"])
+                      stats.prompt_tokens_total)
         yield counter("llama_tokens_generated_total", "Tokens generated",
-                      stats["tokens_generated_total"])
+                      stats.tokens_generated_total)
         yield counter("llama_request_success_total", "Jobs that ended with a finish",
-                      stats["request_success_total"])
+                      stats.request_success_total)
         yield counter("llama_request_fail_total", "Jobs that ended with an error",
-                      stats["request_fail_total"])
+                      stats.request_fail_total)
         yield counter("llama_prompt_seconds_total", "Prompt processing time",
-                      stats["prompt_seconds_total"])
+                      stats.prompt_seconds_total)
         yield counter("llama_tokens_seconds_total", "Token generation time",
-                      stats["tokens_seconds_total"])
+                      stats.tokens_seconds_total)
         yield gauge("llama_kv_cache_usage_level",
                     "KV cache fill (0-1), mean over busy slots",
-                    snap["kv_cache_usage_level"])
+                    snap.kv_cache_usage_level)
         yield gauge("llama_slots_processing", "Slots running a job",
-                    snap["slots_busy"])
+                    snap.slots_busy)
         yield gauge("llamapool_slots_registered", "Slots in the pool (loaded)",
-                    snap["slots_total"])
-        yield gauge("llamapool_slots_busy", "Slots running a job", snap["slots_busy"])
+                    snap.slots_total)
+        yield gauge("llamapool_slots_busy", "Slots running a job", snap.slots_busy)
         yield gauge("llamapool_slots_alive", "Slots heard from within liveness",
-                    snap["slots_total"] + snap["slots_loading"])
+                    snap.slots_total + snap.slots_loading)
         yield gauge("llamapool_slots_loading", "Workers still loading their model",
-                    snap["slots_loading"])
+                    snap.slots_loading)
         yield counter("llamapool_requests_cancelled_total",
                       "Jobs that ended by acknowledged cancel",
-                      stats["request_cancelled_total"])
+                      stats.request_cancelled_total)
         yield counter("llamapool_broker_no_slot_total",
                       "SUBMITs the broker refused for lack of a slot",
                       counters.get("no_slot", 0))
@@ -75,14 +77,13 @@ class PoolCollector:
         yield counter("llamapool_broker_curve_refused_total",
                       "Peers refused at the CURVE handshake (key not authorized)",
                       counters.get("curve_refused", 0))
-        release = stats["cancel_release_s"]
-        buckets = [(str(b), c) for b, c in zip(release["buckets"],
-                                               release["cumulative"])]
-        buckets.append(("+Inf", release["cumulative"][-1]))
+        release = stats.cancel_release_s
+        buckets = [(str(b), c) for b, c in zip(release.buckets, release.cumulative)]
+        buckets.append(("+Inf", release.cumulative[-1]))
         yield HistogramMetricFamily(
             "llamapool_disconnect_release_seconds",
             "From cancel (client gone) to the slot being free in the ledger",
-            buckets=buckets, sum_value=release["sum"],
+            buckets=buckets, sum_value=release.sum,
         )
 
 
@@ -95,10 +96,10 @@ class LatestSnapshotCollector:
     """
 
     def __init__(self) -> None:
-        self._snapshot: dict | None = None
+        self._snapshot: PoolStatus | None = None
         self._lock = threading.Lock()
 
-    def publish(self, snapshot: dict) -> None:
+    def publish(self, snapshot: PoolStatus) -> None:
         with self._lock:
             self._snapshot = snapshot
 

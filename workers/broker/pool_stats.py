@@ -12,6 +12,7 @@ import bisect
 import collections
 
 from protocol import messages
+from protocol.payloads import HistogramSnapshot, PoolTotals
 
 #: Buckets (seconds) for disconnect-to-release latency.
 RELEASE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -23,7 +24,7 @@ RECENT_WINDOW = 256
 
 
 class FixedHistogram:
-    """A Prometheus-style cumulative histogram that msgpack can carry."""
+    """A Prometheus-style histogram; ``snapshot()`` is what STATUS carries."""
 
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self.buckets = buckets
@@ -41,22 +42,21 @@ class FixedHistogram:
         self.count += 1
         self.recent.append(value)
 
-    def to_dict(self) -> dict:
+    def snapshot(self) -> HistogramSnapshot:
         cumulative, running = [], 0
         for c in self.counts:
             running += c
             cumulative.append(running)
         recent = sorted(self.recent)
-        return {
-            "buckets": list(self.buckets),
-            "cumulative": cumulative,
-            "sum": self.sum,
-            "count": self.count,
-            "p50": recent[len(recent) // 2] if recent else None,
-            "max": recent[-1] if recent else None,
-            # The newest observations in arrival order (for per-run figures).
-            "recent": list(self.recent),
-        }
+        return HistogramSnapshot(
+            buckets=list(self.buckets),
+            cumulative=cumulative,
+            sum=self.sum,
+            count=self.count,
+            p50=recent[len(recent) // 2] if recent else None,
+            max=recent[-1] if recent else None,
+            recent=list(self.recent),
+        )
 
 
 class PoolStats:
@@ -93,17 +93,17 @@ class PoolStats:
         """A job whose worker died: it never sent a terminal frame."""
         self.request_fail += 1
 
-    def to_dict(self) -> dict:
-        return {
-            "prompt_tokens_total": self.prompt_tokens,
-            "tokens_generated_total": self.tokens_generated,
-            "request_success_total": self.request_success,
-            "request_fail_total": self.request_fail,
-            "request_cancelled_total": self.cancelled,
-            "prompt_seconds_total": self.prompt_seconds,
-            "tokens_seconds_total": self.tokens_seconds,
-            "cancel_release_s": self.release_after_cancel.to_dict(),
-        }
+    def totals(self) -> PoolTotals:
+        return PoolTotals(
+            prompt_tokens_total=self.prompt_tokens,
+            tokens_generated_total=self.tokens_generated,
+            request_success_total=self.request_success,
+            request_fail_total=self.request_fail,
+            request_cancelled_total=self.cancelled,
+            prompt_seconds_total=self.prompt_seconds,
+            tokens_seconds_total=self.tokens_seconds,
+            cancel_release_s=self.release_after_cancel.snapshot(),
+        )
 
 
 def _int(value) -> int:

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Protocol
 
 from protocol.errors import ErrorCode
+from protocol.payloads import GenerationRequest
 from workers.model.stop_strings import StopStringFilter
 
 
@@ -52,7 +53,7 @@ class TokenOutput:
 
     def __init__(self, sink: JobSink, stops: list[str]) -> None:
         self.sink = sink
-        self.stopper = StopStringFilter([s for s in stops if isinstance(s, str)])
+        self.stopper = StopStringFilter(stops)
         self._unsent_tokens = 0
 
     def push(self, text: str) -> str | None:
@@ -128,5 +129,8 @@ class Engine(Protocol):
     model_name: str
     n_ctx: int
 
-    def run(self, request: dict, sink: JobSink) -> GenerationResult:
-        """Generate for one request. Raises ``RequestRejected`` up front."""
+    def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
+        """Generate for one request. Raises ``RequestRejected`` up front.
+
+        Sampling settings are read from ``request.sampling`` as they are:
+        their defaults were applied when the request was built."""

@@ -17,6 +17,7 @@ import llama_cpp
 
 from protocol import defaults
 from protocol.errors import ErrorCode
+from protocol.payloads import GenerationRequest
 from workers.model import kv_cache
 from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.engine import (
@@ -74,21 +75,20 @@ class LlamaEngine:
 
     # --- prompts ---------------------------------------------------------------
 
-    def _prompt_tokens(self, request: dict) -> tuple[list[int], list[str]]:
+    def _prompt_tokens(
+        self, request: GenerationRequest
+    ) -> tuple[list[int], list[str]]:
         """Tokens from the frontend if it tokenised, else rendered here."""
-        given = request.get("prompt_tokens")
+        given = request.prompt_tokens
         if given is not None:
             n_vocab = self.llama.n_vocab()
             # Never trust token ids from the network: llama.cpp aborts on some
-            # out-of-range ids instead of returning an error.
-            if not isinstance(given, list) or not given or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab
-                for t in given
-            ):
+            # out-of-range ids instead of returning an error. (That they are
+            # ints was checked on decode; the range needs the vocabulary.)
+            if not given or not all(0 <= t < n_vocab for t in given):
                 raise RequestRejected(ErrorCode.INVALID_PROMPT_TOKENS,
                                       "prompt_tokens must be valid token ids")
-            stops = request.get("extra_stops") or []
-            return given, [s for s in stops if isinstance(s, str)]
+            return given, request.extra_stops
         try:
             return self.prompts.tokens(request)
         except PromptError as exc:
@@ -96,33 +96,34 @@ class LlamaEngine:
 
     # --- generation --------------------------------------------------------------
 
-    def run(self, request: dict, sink: JobSink) -> GenerationResult:
+    def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
         started = time.perf_counter()
         prompt, extra_stops = self._prompt_tokens(request)
-        max_tokens = token_budget(len(prompt), self.n_ctx, request.get("max_tokens"))
+        max_tokens = token_budget(len(prompt), self.n_ctx, request.max_tokens)
 
-        seed = request.get("seed")
-        self.llama.set_seed(llama_cpp.LLAMA_DEFAULT_SEED if seed is None else seed)
+        sampling = request.sampling
+        self.llama.set_seed(llama_cpp.LLAMA_DEFAULT_SEED if sampling.seed is None
+                            else sampling.seed)
         plan = kv_cache.plan_reuse(self.llama, prompt)
         logits_processor = None
-        if request.get("ignore_eos") and self._eog_ids:
+        if sampling.ignore_eos and self._eog_ids:
             logits_processor = llama_cpp.LogitsProcessorList([self._ban_eog])
 
         detok = IncrementalDetokenizer(self._vocab)
-        output = TokenOutput(sink, list(request.get("stop") or []) + extra_stops)
+        output = TokenOutput(sink, request.stop + extra_stops)
         n_generated = 0
         first_token_at = None
         finish = "length"
         tokens = self.llama.generate(
             plan.tokens,
             reset=plan.reset,
-            temp=request.get("temperature", 0.8),
-            top_k=request.get("top_k", 40),
-            top_p=request.get("top_p", 0.95),
-            min_p=request.get("min_p", 0.05),
-            repeat_penalty=request.get("repeat_penalty", 1.0),
-            presence_penalty=request.get("presence_penalty", 0.0),
-            frequency_penalty=request.get("frequency_penalty", 0.0),
+            temp=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            min_p=sampling.min_p,
+            repeat_penalty=sampling.repeat_penalty,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
             logits_processor=logits_processor,
         )
         try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import llama_cpp
 from llama_cpp import llama_chat_format
 
+from protocol.payloads import CHAT, GenerationRequest
+
 #: Name of the chat format that means "the Jinja template in the GGUF".
 TEMPLATE_CHAT_FORMAT = "template"
 
@@ -53,11 +55,12 @@ class PromptBuilder:
                 return formatter
         raise ValueError(f"unknown chat format {chat_format!r}")
 
-    def tokens(self, request: dict) -> tuple[list[int], list[str]]:
+    def tokens(self, request: GenerationRequest) -> tuple[list[int], list[str]]:
         """Prompt tokens and the chat format's own stop strings."""
-        if request["kind"] == "chat":
+        if request.kind == CHAT:
             try:
-                rendered = self._format_chat(messages=request["messages"])
+                rendered = self._format_chat(
+                    messages=[m.as_dict() for m in request.messages])
             except Exception as exc:  # a template error is about the input
                 raise PromptError(str(exc)) from None
             stops = rendered.stop or []
@@ -68,7 +71,7 @@ class PromptBuilder:
                 special=True,
             )
             return tokens, stops
-        prompt = request["prompt"]
+        prompt = request.prompt
         if prompt == "":
             return [self.llama.token_bos()], []
         return self.llama.tokenize(prompt.encode("utf-8"), special=True), []

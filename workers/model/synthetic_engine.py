@@ -18,24 +18,20 @@ from __future__ import annotations
 import time
 
 from protocol import defaults
+from protocol.payloads import CHAT, GenerationRequest
 from workers.model.engine import GenerationResult, JobSink, TokenOutput, token_budget
 
 DEFAULT_TOKENS_PER_SECOND = 50.0
 
 
-def count_prompt_tokens(request: dict) -> int:
+def count_prompt_tokens(request: GenerationRequest) -> int:
     """Tokens from the frontend's tokeniser if it sent them, else words."""
-    given = request.get("prompt_tokens")
-    if isinstance(given, list) and given:
-        return len(given)
-    if request.get("kind") == "chat":
-        words = sum(
-            len(str(m.get("content", "")).split())
-            for m in request.get("messages") or []
-            if isinstance(m, dict)
-        )
+    if request.prompt_tokens:
+        return len(request.prompt_tokens)
+    if request.kind == CHAT:
+        words = sum(len(m.content.split()) for m in request.messages)
     else:
-        words = len(str(request.get("prompt", "")).split())
+        words = len(request.prompt.split())
     return max(1, words)  # a real model always sees at least BOS
 
 
@@ -62,12 +58,11 @@ class SyntheticEngine:
         self.n_ctx = n_ctx
         self.model_name = model_name or "synthetic"
 
-    def run(self, request: dict, sink: JobSink) -> GenerationResult:
+    def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
         started = time.perf_counter()
         n_prompt = count_prompt_tokens(request)
-        max_tokens = token_budget(n_prompt, self.n_ctx, request.get("max_tokens"))
-        output = TokenOutput(sink, list(request.get("stop") or [])
-                             + list(request.get("extra_stops") or []))
+        max_tokens = token_budget(n_prompt, self.n_ctx, request.max_tokens)
+        output = TokenOutput(sink, request.stop + request.extra_stops)
         interval_s = 1.0 / self.tokens_per_second
 
         n_generated = 0

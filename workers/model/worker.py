@@ -35,6 +35,7 @@ from protocol.curve import client_keys
 from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from protocol.link import BrokerConnection, LinkHandler
+from protocol.payloads import JobProgress
 from workers.model.engine import Engine, RequestRejected
 from workers.model.settings import WorkerSettings
 
@@ -120,7 +121,8 @@ class ActiveJob:
         #: Set when the broker that gave us this job is gone: its frames are
         #: dropped instead of confusing a new broker.
         self.orphaned = False
-        self.progress: dict = {"job_id": self.job_id}
+        # The engine's latest report_progress() arguments; () before the first.
+        self._progress: tuple = ()
         self.stalled = False
 
     # --- called by the link thread -----------------------------------------------
@@ -159,15 +161,16 @@ class ActiveJob:
 
     def report_progress(self, n_prompt, n_generated, max_tokens, tokens_per_s,
                         n_ctx_used) -> None:
-        # Replaced whole, so the link thread always reads a consistent dict.
-        self.progress = {
-            "job_id": self.job_id,
-            "n_prompt": n_prompt,
-            "n_generated": n_generated,
-            "max_tokens": max_tokens,
-            "tokens_per_s": tokens_per_s,
-            "n_ctx_used": n_ctx_used,
-        }
+        # Called for every token: keep just a tuple, replaced whole so the link
+        # thread always reads a consistent set. The typed JobProgress is built
+        # once per heartbeat, in progress().
+        self._progress = (n_prompt, n_generated, max_tokens, tokens_per_s,
+                          n_ctx_used)
+
+    # --- called by the link thread, for heartbeats --------------------------------
+
+    def progress(self) -> JobProgress:
+        return JobProgress(self.job_id, *self._progress)
 
 
 class ModelWorker(LinkHandler):
@@ -324,7 +327,7 @@ class ModelWorker(LinkHandler):
             return messages.Loading(self.name, self.model_label, os.getpid(),
                                     socket.gethostname())
         job = self._job
-        return messages.Heartbeat(job.progress if job is not None else {})
+        return messages.Heartbeat(job.progress() if job is not None else None)
 
     def forward(self, msg: messages.Message) -> bool:
         # Everything the main thread sends is a frame of the current job.

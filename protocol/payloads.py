@@ -1,0 +1,220 @@
+"""What the messages carry: the generation request, live progress, pool status.
+
+These were plain dicts, and a dict is a promise nobody checks: the sampling
+defaults were written once in the frontend's parser and again in the engine's
+``.get("temperature", 0.8)`` calls (free to drift apart), and a heartbeat's
+progress went into the broker's ledger unchecked, where a string in place of
+a number crashed the broker's loop on the next STATUS or NO_SLOT. Each is now
+a ``WireRecord``: a frozen dataclass whose defaults are the only defaults,
+checked field by field at the socket edge (``protocol.records``) like the
+messages that carry it.
+
+* ``GenerationRequest`` (with ``Sampling`` and ``ChatMessage``): built by the
+  frontend from the OpenAI body (``frontend.openai_schema``), run by an engine
+  (``workers.model``). The broker decodes it only to check it.
+* ``JobProgress``: a busy worker's heartbeat; the broker's ledger turns it
+  into the Retry-After hint and the KV-cache gauge.
+* ``PoolStatus`` (with ``SlotStatus``, ``PoolTotals`` and
+  ``HistogramSnapshot``): the broker's answer to STATUS, behind ``/health``,
+  ``/slots``, ``/v1/models`` and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from protocol.records import ListOf, MapOf, OneOf, Optional, WireRecord, wire_record
+
+_STR = (str,)
+_INT = (int,)
+_NUM = (int, float)
+_BOOL = (bool,)
+
+#: What a generation request is: a raw prompt, or chat messages to render.
+COMPLETION = "completion"
+CHAT = "chat"
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+# --- the generation request ---------------------------------------------------
+
+
+@wire_record(role=OneOf(*CHAT_ROLES), content=_STR)
+class ChatMessage(WireRecord):
+    """One chat turn; multi-part content was joined into text by the frontend."""
+
+    role: str
+    content: str
+
+    def as_dict(self) -> dict:
+        """The OpenAI-style dict chat templates render."""
+        return {"role": self.role, "content": self.content}
+
+
+@wire_record(temperature=_NUM, top_p=_NUM, top_k=_INT, min_p=_NUM,
+             repeat_penalty=_NUM, presence_penalty=_NUM, frequency_penalty=_NUM,
+             seed=Optional(_INT), ignore_eos=_BOOL)
+class Sampling(WireRecord):
+    """How the next token is chosen. These defaults are the pool's defaults:
+    llama.cpp's server's, which the frontend applies by leaving a field out."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: None: a fresh random seed for every request.
+    seed: int | None = None
+    #: Ban end-of-generation tokens (benchmarks want exactly max_tokens).
+    ignore_eos: bool = False
+
+
+@wire_record(kind=OneOf(COMPLETION, CHAT), prompt=_STR,
+             messages=ListOf(ChatMessage), max_tokens=Optional(_INT),
+             sampling=Sampling, stop=ListOf(_STR),
+             prompt_tokens=Optional(ListOf(_INT)), extra_stops=ListOf(_STR))
+class GenerationRequest(WireRecord):
+    """One generation, as validated at the HTTP door (``frontend.openai_schema``).
+
+    ``prompt`` is used when ``kind`` is completion, ``messages`` when chat.
+    ``prompt_tokens`` and ``extra_stops`` are filled in by a frontend that can
+    tokenise (``frontend.prompt_gate``): the prompt's token ids and the chat
+    format's own stop strings, so the worker skips rendering. Token ids are
+    checked against the vocabulary by the worker, which knows it.
+    """
+
+    kind: str
+    prompt: str = ""
+    messages: list[ChatMessage] = dataclasses.field(default_factory=list)
+    #: None: until the context is full.
+    max_tokens: int | None = None
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)
+    stop: list[str] = dataclasses.field(default_factory=list)
+    prompt_tokens: list[int] | None = None
+    extra_stops: list[str] = dataclasses.field(default_factory=list)
+
+
+# --- live progress ---------------------------------------------------------------
+
+
+@wire_record(job_id=_STR, n_prompt=_INT, n_generated=_INT, max_tokens=_INT,
+             tokens_per_s=_NUM, n_ctx_used=_INT)
+class JobProgress(WireRecord):
+    """A busy worker's progress on ``job_id``, sent with every heartbeat.
+
+    Zeros until the first token: the worker knows the job before the engine
+    has counted its prompt.
+    """
+
+    job_id: str
+    n_prompt: int = 0
+    n_generated: int = 0
+    #: The token budget after clamping to the context (not the request's).
+    max_tokens: int = 0
+    tokens_per_s: float = 0.0
+    n_ctx_used: int = 0
+
+
+# --- pool status (the STATUS reply) -------------------------------------------------
+
+
+@wire_record(id=_INT, state=_STR, id_task=Optional(_STR), worker_name=_STR,
+             host=_STR, pid=_INT, model=_STR, engine=_STR, n_ctx=_INT,
+             lease_age_s=Optional(_NUM), lease_taken_at=Optional(_NUM),
+             jobs_served=_INT, progress=Optional(JobProgress))
+class SlotStatus(WireRecord):
+    """One slot (one worker) in the ledger. Never any prompt text: the broker
+    does not have it."""
+
+    id: int
+    #: loading, idle, busy or cancelling (``workers.broker.ledger``).
+    state: str
+    id_task: str | None
+    worker_name: str
+    host: str
+    pid: int
+    model: str
+    engine: str
+    n_ctx: int
+    lease_age_s: float | None
+    #: Wall-clock (epoch) time the lease was taken, for humans.
+    lease_taken_at: float | None
+    jobs_served: int
+    #: The job's last heartbeat; None while idle or before the first beat.
+    progress: JobProgress | None = None
+
+
+@wire_record(buckets=ListOf(_NUM), cumulative=ListOf(_INT), sum=_NUM, count=_INT,
+             p50=Optional(_NUM), max=Optional(_NUM), recent=ListOf(_NUM))
+class HistogramSnapshot(WireRecord):
+    """A Prometheus-style cumulative histogram, plus its newest observations."""
+
+    buckets: list[float]
+    #: One count per bucket and a last one for +Inf.
+    cumulative: list[int]
+    sum: float
+    count: int
+    p50: float | None
+    max: float | None
+    #: The newest observations in arrival order (for per-run figures).
+    recent: list[float]
+
+
+@wire_record(prompt_tokens_total=_INT, tokens_generated_total=_INT,
+             request_success_total=_INT, request_fail_total=_INT,
+             request_cancelled_total=_INT, prompt_seconds_total=_NUM,
+             tokens_seconds_total=_NUM, cancel_release_s=HistogramSnapshot)
+class PoolTotals(WireRecord):
+    """Totals over every job the broker saw end (``workers.broker.pool_stats``)."""
+
+    prompt_tokens_total: int
+    tokens_generated_total: int
+    request_success_total: int
+    request_fail_total: int
+    request_cancelled_total: int
+    prompt_seconds_total: float
+    tokens_seconds_total: float
+    #: From cancel (client gone) to the slot being free in the ledger.
+    cancel_release_s: HistogramSnapshot
+
+
+@wire_record(slots=ListOf(SlotStatus), slots_total=_INT, slots_loading=_INT,
+             slots_busy=_INT, slots_free=_INT, kv_cache_usage_level=_NUM,
+             jobs=_INT, frontends=_INT, counters=MapOf(_STR, _INT),
+             stats=PoolTotals, retry_after_s=_NUM)
+class PoolStatus(WireRecord):
+    """The broker's ledger and totals, as one STATUS reply carries them."""
+
+    slots: list[SlotStatus]
+    #: Registered and loaded (what "whole" is measured against).
+    slots_total: int
+    slots_loading: int
+    slots_busy: int
+    #: Idle and not draining: what a SUBMIT can get right now.
+    slots_free: int
+    #: Mean KV-cache fill (0-1) of the busy slots.
+    kv_cache_usage_level: float
+    jobs: int
+    frontends: int
+    #: The broker's event counters by name (``no_slot``, ``malformed_dropped``).
+    counters: dict[str, int]
+    stats: PoolTotals
+    #: The hint a NO_SLOT would carry now.
+    retry_after_s: float
+
+    @property
+    def cancel_release_s(self) -> HistogramSnapshot:
+        return self.stats.cancel_release_s
+
+    def to_dict(self) -> dict:
+        """The JSON shape of a snapshot, for tools and tests that print or
+        compare one: idle slots show ``progress`` as ``{}``, and
+        ``cancel_release_s`` is repeated at the top level."""
+        out = dataclasses.asdict(self)
+        for slot in out["slots"]:
+            if slot["progress"] is None:
+                slot["progress"] = {}
+        out["cancel_release_s"] = out["stats"]["cancel_release_s"]
+        return out

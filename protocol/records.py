@@ -1,0 +1,236 @@
+"""Typed msgpack arrays: the one encoding that messages and their payloads share.
+
+A ``WireRecord`` is a frozen dataclass that travels as a msgpack array of its
+fields in declaration order and is checked field by field when it arrives.
+The socket edge is the one place where a peer's bytes become Python objects,
+so it is the one place that decides whether they are what they claim to be:
+past ``from_body`` nobody re-checks a type, and nothing a peer sends can blow
+up later in the broker's loop (a heartbeat with a string where a number
+belongs used to do exactly that, in the ledger's KV-cache and Retry-After
+arithmetic on the next STATUS or NO_SLOT).
+
+A field's kind is one of:
+
+* a tuple of Python types, e.g. ``(str,)`` or ``(int, float)``: a scalar of
+  exactly one of those types as msgpack decodes them, so ``bool`` is never
+  accepted where a number is meant;
+* another ``WireRecord`` class: a nested array, decoded and checked by it;
+* ``ListOf(kind)``, ``MapOf(key_types, value_types)``, ``Optional(kind)`` and
+  ``OneOf(*values)``: containers of those, and a closed set of strings.
+
+New optional fields go at the end with defaults, so an older peer's shorter
+array still decodes, and a newer peer's extra trailing fields are ignored.
+That holds at every level of nesting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import Any, ClassVar, Union
+
+
+class MalformedMessage(ValueError):
+    """A frame sequence that is not a valid message of this protocol version."""
+
+
+class ListOf:
+    """A msgpack array whose every item is of ``item`` kind."""
+
+    def __init__(self, item: Kind) -> None:
+        self.item = item
+        self._check_item = _checker(item)
+        self._pack_item = _packer(item)
+
+    def check(self, value: Any, where: str) -> list:
+        if value.__class__ is not list:
+            raise MalformedMessage(f"{where}: {type(value).__name__}, not an array")
+        check = self._check_item
+        if type(check) is frozenset:
+            # Scalars: one pass with no per-item call (prompt_tokens can hold
+            # thousands of ids).
+            for item in value:
+                if item.__class__ not in check:
+                    raise MalformedMessage(f"{where}[]: {type(item).__name__}")
+            return value
+        return [check.check(item, f"{where}[{i}]") for i, item in enumerate(value)]
+
+    def pack(self, value: list) -> list:
+        pack = self._pack_item
+        return value if pack is None else [pack(item) for item in value]
+
+
+class MapOf:
+    """A msgpack map with scalar keys and values (open-ended names: counters)."""
+
+    def __init__(self, key_types: tuple[type, ...],
+                 value_types: tuple[type, ...]) -> None:
+        self.key_types = key_types
+        self.value_types = value_types
+        self._keys = frozenset(key_types)
+        self._values = frozenset(value_types)
+
+    def check(self, value: Any, where: str) -> dict:
+        if value.__class__ is not dict:
+            raise MalformedMessage(f"{where}: {type(value).__name__}, not a map")
+        for key, item in value.items():
+            if key.__class__ not in self._keys or item.__class__ not in self._values:
+                raise MalformedMessage(
+                    f"{where}: {type(key).__name__} -> {type(item).__name__}")
+        return value
+
+    def pack(self, value: dict) -> dict:
+        return value
+
+
+class Optional:
+    """``None`` (msgpack nil), or a value of ``kind``."""
+
+    def __init__(self, kind: Kind) -> None:
+        self.kind = kind
+        self._inner = _checker(kind)
+        self._pack = _packer(kind)
+
+    def check(self, value: Any, where: str) -> Any:
+        if value is None:
+            return None
+        inner = self._inner
+        if type(inner) is frozenset:
+            if value.__class__ not in inner:
+                raise MalformedMessage(f"{where}: {type(value).__name__}")
+            return value
+        return inner.check(value, where)
+
+    def pack(self, value: Any) -> Any:
+        return value if value is None or self._pack is None else self._pack(value)
+
+
+class OneOf:
+    """A string from a closed set (a request's kind, a chat role)."""
+
+    def __init__(self, *values: str) -> None:
+        self.values = frozenset(values)
+
+    def check(self, value: Any, where: str) -> str:
+        if value.__class__ is not str or value not in self.values:
+            shown = repr(value[:32]) if isinstance(value, str) else type(
+                value).__name__
+            raise MalformedMessage(f"{where}: {shown} is not one of "
+                                   f"{sorted(self.values)}")
+        return value
+
+    def pack(self, value: str) -> str:
+        return value
+
+
+Kind = Union[tuple, ListOf, MapOf, Optional, OneOf, "type[WireRecord]"]
+
+
+def _checker(kind: Kind):
+    """How a kind is checked: a set of exact types for a scalar, else itself."""
+    return frozenset(kind) if isinstance(kind, tuple) else kind
+
+
+def _packer(kind: Kind):
+    """A function that makes a value msgpack-ready, or None if it already is."""
+    if isinstance(kind, type) and issubclass(kind, WireRecord):
+        return kind.to_body
+    if isinstance(kind, (ListOf, Optional)):
+        inner = kind._pack_item if isinstance(kind, ListOf) else kind._pack
+        return None if inner is None else kind.pack
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class WireRecord:
+    """Base class: a frozen dataclass that travels as a checked msgpack array.
+
+    Subclasses are declared with ``@wire_record(field=kind, ...)``.
+    """
+
+    #: field name -> kind, as declared.
+    FIELD_TYPES: ClassVar[dict[str, Kind]]
+    # Precomputed by ``wire_record`` so that encoding and decoding a TOKEN
+    # (the hot path) costs no reflection.
+    _NAMES: ClassVar[tuple[str, ...]]
+    _CHECKS: ClassVar[tuple]
+    #: Every field's value as a tuple, in one C call (``operator.attrgetter``).
+    _VALUES: ClassVar[Callable[[Any], tuple]]
+    #: (index, packer) of the fields that are not msgpack-ready as they are.
+    _PACK_AT: ClassVar[tuple[tuple[int, Callable[[Any], Any]], ...]]
+    _REQUIRED: ClassVar[int]
+
+    def to_body(self) -> list:
+        """The msgpack-ready array of this record's fields, nested ones too."""
+        values = list(self._VALUES(self))
+        for i, pack in self._PACK_AT:
+            values[i] = pack(values[i])
+        return values
+
+    @classmethod
+    def from_body(cls, body: Any, where: str = "") -> WireRecord:
+        """Build from a decoded msgpack array, checking every field.
+
+        Raises:
+            MalformedMessage: naming the first bad field by its path.
+        """
+        where = where or cls.__name__
+        if body.__class__ is not list:
+            raise MalformedMessage(f"{where}: body is not an array")
+        if len(body) < cls._REQUIRED:
+            raise MalformedMessage(
+                f"{where}: {len(body)} fields, need {cls._REQUIRED}"
+            )
+        # Extra trailing fields come from a newer peer; zip ignores them.
+        values = {}
+        for name, check, value in zip(cls._NAMES, cls._CHECKS, body):
+            if type(check) is frozenset:
+                if value.__class__ not in check:
+                    raise MalformedMessage(
+                        f"{where}.{name}: {type(value).__name__}")
+            else:
+                value = check.check(value, f"{where}.{name}")
+            values[name] = value
+        return cls(**values)
+
+    # A record class is itself a kind: a nested array.
+    @classmethod
+    def check(cls, value: Any, where: str) -> WireRecord:
+        return cls.from_body(value, where)
+
+
+def _values_getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:
+    if len(names) == 1:  # attrgetter of one name returns the bare value
+        name = names[0]
+        return lambda record: (getattr(record, name),)
+    return operator.attrgetter(*names)
+
+
+def wire_record(**field_types: Kind):
+    """Class decorator: make a frozen dataclass with these field kinds."""
+
+    def wrap(cls: type[WireRecord]) -> type[WireRecord]:
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        fields = dataclasses.fields(cls)
+        names = tuple(f.name for f in fields)
+        if sorted(names) != sorted(field_types):
+            raise TypeError(f"{cls.__name__}: field types do not match fields")
+        cls.FIELD_TYPES = field_types
+        cls._NAMES = names
+        cls._CHECKS = tuple(_checker(field_types[n]) for n in names)
+        cls._VALUES = staticmethod(_values_getter(names))
+        cls._PACK_AT = tuple(
+            (i, pack)
+            for i, pack in enumerate(_packer(field_types[n]) for n in names)
+            if pack is not None
+        )
+        cls._REQUIRED = sum(
+            1
+            for f in fields
+            if f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        )
+        return cls
+
+    return wrap
