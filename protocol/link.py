@@ -181,7 +181,9 @@ class BrokerConnection:
         self.losses = 0
         #: Messages dropped because the connection was gone for good.
         self.unsent_dropped = 0
-        self._outbox: collections.deque[messages.Message] = collections.deque()
+        #: Messages from other threads, encoded by their sender.
+        self._outbox: collections.deque[tuple[messages.Message, list[bytes]]] = (
+            collections.deque())
         self._wakeup = _Wakeup()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -203,10 +205,14 @@ class BrokerConnection:
         handler's ``forward`` sees it there); from the link thread, in a
         callback, it goes out at once. After ``stop`` it is dropped.
         """
+        # Encoded here: a message that cannot be encoded raises in the code
+        # that made it, not in the link thread, and the encoding work is
+        # spread over the senders.
+        frames = msg.to_wire()
         if threading.get_ident() == self._thread_id:
-            self._write(msg)
+            self._write(frames)
         elif not self._stopping:
-            self._outbox.append(msg)
+            self._outbox.append((msg, frames))
             self._wakeup.notify()
 
     def stop(self) -> None:
@@ -279,8 +285,15 @@ class BrokerConnection:
                     sock = self._connect()
                     poller.register(sock, zmq.POLLIN)
                 if now >= next_beat:
-                    self._write(self.handler.heartbeat(now))
                     next_beat = now + interval_s
+                    try:
+                        beat = self.handler.heartbeat(now)
+                    except Exception:
+                        # The link (and with it the process's liveness) must
+                        # outlive a bug in what the application reports.
+                        log.exception("building a heartbeat failed; sent a bare one")
+                        beat = messages.Heartbeat()
+                    self._write(beat.to_wire())
         finally:
             self._stopping = True  # also if a callback raised: senders drop
             self._thread_id = None
@@ -294,11 +307,11 @@ class BrokerConnection:
         # receives and heartbeats.
         self._wakeup.clear()
         for _ in range(len(self._outbox)):
-            msg = self._outbox.popleft()
+            msg, frames = self._outbox.popleft()
             if self.handler.forward(msg):
-                self._write(msg)
+                self._write(frames)
 
-    def _write(self, msg: messages.Message) -> None:
+    def _write(self, frames: list[bytes]) -> None:
         # Never blocking. With no high-water mark a DEALER is full only when
         # libzmq has dropped its connection for good: it never retries a
         # refused CURVE handshake. A blocking send would then hang this thread
@@ -306,7 +319,7 @@ class BrokerConnection:
         # retry once the key is authorised). Dropped instead: the broker stays
         # silent, so the liveness window brings a new DEALER, which redials.
         try:
-            self._sock.send_multipart(msg.to_wire(), zmq.NOBLOCK)
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             self.unsent_dropped += 1
 

@@ -18,7 +18,10 @@ import zmq
 from frontend.broker_link import BrokerLink
 from protocol import messages
 from protocol.link import BrokerConnection, LinkHandler
+from protocol.payloads import GenerationRequest, JobProgress
 from tests.pool import wait_until
+from workers.broker.ledger import Ledger
+from workers.broker.pool_stats import PoolStats
 from workers.model.settings import WorkerSettings
 from workers.model.synthetic_engine import SyntheticEngine
 from workers.model.worker import ModelWorker
@@ -90,7 +93,7 @@ class Recorder(LinkHandler):
 
     def heartbeat(self, now: float) -> messages.Message:
         self.beats += 1
-        return messages.Heartbeat({"beat": self.beats})
+        return messages.Heartbeat(JobProgress(f"beat-{self.beats}"))
 
     def forward(self, msg: messages.Message) -> bool:
         return not (isinstance(msg, messages.Cancel) and msg.job_id == "dropped")
@@ -164,7 +167,8 @@ def test_heartbeats_say_what_the_handler_says_while_idle(broker, start_link):
     received = [broker.recv()[1] for _ in range(6)]
     assert isinstance(received[0], messages.Hello)
     # The first one at once, then one per interval, each asked for anew.
-    assert received[1:] == [messages.Heartbeat({"beat": n}) for n in range(1, 6)]
+    assert received[1:] == [messages.Heartbeat(JobProgress(f"beat-{n}"))
+                            for n in range(1, 6)]
     assert handler.losses == []
 
 
@@ -229,8 +233,8 @@ def test_frontend_link_fails_only_accepted_jobs_on_disconnect(broker):
         link.start()
         identity, hello = broker.recv_except(messages.Heartbeat)
         assert hello == messages.Hello(os.getpid(), hello.host)
-        accepted = link.submit("a", {"prompt": "x"})
-        pending = link.submit("b", {"prompt": "y"})
+        accepted = link.submit("a", GenerationRequest("completion", "x"))
+        pending = link.submit("b", GenerationRequest("completion", "y"))
         assert broker.recv_except(messages.Heartbeat)[1].job_id == "a"
         assert broker.recv_except(messages.Heartbeat)[1].job_id == "b"
         broker.send(identity, messages.Accepted("a", 0, "m"))
@@ -251,9 +255,10 @@ def test_frontend_link_fails_only_accepted_jobs_on_disconnect(broker):
         waiter = threading.Thread(target=lambda: results.append(link.status(30)))
         waiter.start()
         _, status = broker.recv_except(messages.Heartbeat)
-        broker.send(identity, messages.StatusReply(status.request_id, {"ok": 1}))
+        snapshot = Ledger(1.0).snapshot(0.0, {"submitted": 3}, PoolStats().totals())
+        broker.send(identity, messages.StatusReply(status.request_id, snapshot))
         waiter.join(DEADLINE_S)
-        assert results == [{"ok": 1}]
+        assert results == [snapshot]
         assert accepted.get(0) is None
         assert link.malformed_dropped == 0 and link.broker_losses == 0
     finally:
@@ -264,7 +269,7 @@ def test_frontend_link_fails_every_job_when_the_broker_goes_silent(broker):
     link = BrokerLink(broker.endpoint, heartbeat_interval_s=0.05,
                       heartbeat_liveness=3)
     try:
-        stream = link.submit("a", {"prompt": "x"})
+        stream = link.submit("a", GenerationRequest("completion", "x"))
         first, _ = broker.recv_except(messages.Heartbeat)  # HELLO
         error = stream.get(DEADLINE_S)  # not even accepted: failed all the same
         assert isinstance(error, messages.Error)
@@ -329,8 +334,8 @@ def test_worker_registers_runs_refuses_and_says_goodbye(broker):
         # and obeying it would send READY again.
         broker.send(identity, messages.Disconnect("stale"))
         broker.send(identity, messages.Heartbeat())
-        broker.send(identity, messages.Submit("j1", {"prompt": "hi",
-                                                     "max_tokens": 5}))
+        broker.send(identity, messages.Submit("j1", GenerationRequest(
+            "completion", "hi", max_tokens=5)))
         frames = []
         while not frames or not isinstance(frames[-1], messages.TERMINAL):
             frames.append(broker.recv_except(*_BEATS)[1])
@@ -345,10 +350,11 @@ def test_worker_registers_runs_refuses_and_says_goodbye(broker):
         broker.send(identity, messages.Disconnect("unknown worker"))
         assert isinstance(broker.recv_except(*_BEATS)[1], messages.Ready)
         broker.send(identity, messages.Heartbeat())
-        broker.send(identity, messages.Submit("j2", {"prompt": "hi",
-                                                     "max_tokens": 100_000}))
+        broker.send(identity, messages.Submit("j2", GenerationRequest(
+            "completion", "hi", max_tokens=100_000)))
         assert broker.recv_except(*_BEATS)[1].job_id == "j2"  # a TOKEN: busy
-        broker.send(identity, messages.Submit("j3", {"prompt": "hi"}))
+        broker.send(identity, messages.Submit(
+            "j3", GenerationRequest("completion", "hi")))
         _, refusal = broker.recv_except(messages.Token, *_BEATS)
         assert refusal.job_id == "j3" and refusal.code == "worker_busy"
         broker.send(identity, messages.Cancel("j2"))

@@ -196,7 +196,7 @@ def test_random_nested_bodies_never_raise_anything_else(cls, body):
 
 def test_a_worker_heartbeats_typed_progress():
     submit = messages.Submit("j", GenerationRequest("completion", "x"))
-    job = ActiveJob(submit, outbox=None, settings=WorkerSettings("inproc://unused"))
+    job = ActiveJob(submit, send=None, settings=WorkerSettings("inproc://unused"))
     assert job.progress() == JobProgress("j")  # before the first token
     job.report_progress(3, 2, 10, 5.5, 5)
     beat = messages.decode(messages.Heartbeat(job.progress()).to_wire())
