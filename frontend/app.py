@@ -6,7 +6,6 @@ after gunicorn has forked this process.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -18,8 +17,6 @@ from frontend import metrics, openai_schema
 from frontend.auth import ApiKeyMiddleware
 from frontend.broker_link import BrokerLink
 from frontend.errors import (
-    BadRequest,
-    PayloadTooLarge,
     Unavailable,
     install_error_handlers,
     write_error,
@@ -27,6 +24,7 @@ from frontend.errors import (
 from frontend.generation import collect, start_job
 from frontend.openai_format import ResponseShaper
 from frontend.prompt_gate import PromptGate
+from frontend.request_body import read_json_body
 from frontend.request_log import RequestLogMiddleware
 from frontend.settings import FrontendSettings
 from frontend.sse import EventStreamBody
@@ -46,23 +44,6 @@ class RequestIdMiddleware:
             incoming if incoming and _REQUEST_ID.match(incoming) else uuid.uuid4().hex
         )
         resp.set_header("X-Request-Id", req.context.request_id)
-
-
-def read_json_body(req: falcon.Request, limit_bytes: int):
-    """The parsed JSON body, enforcing the size limit before parsing."""
-    if req.content_length is not None and req.content_length > limit_bytes:
-        raise PayloadTooLarge(
-            f"the body is {req.content_length} bytes; the limit is {limit_bytes}"
-        )
-    raw = req.bounded_stream.read(limit_bytes + 1)
-    if len(raw) > limit_bytes:
-        raise PayloadTooLarge(f"the body is over the limit of {limit_bytes} bytes")
-    try:
-        return json.loads(raw)
-    except UnicodeDecodeError:
-        raise BadRequest("the body is not valid UTF-8") from None
-    except ValueError as exc:
-        raise BadRequest(f"malformed JSON: {exc}") from None
 
 
 def tune_stream_socket(req: falcon.Request, sndbuf_bytes: int) -> None:

@@ -207,7 +207,7 @@ def parse_chat(body: Any) -> ParsedRequest:
         if not isinstance(message, dict):
             raise BadRequest(f"{where} must be an object", param=where)
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise BadRequest(f"{where}.role must be one of {sorted(CHAT_ROLES)}",
                              param=f"{where}.role")
         content = _content_text(message.get("content"), where)

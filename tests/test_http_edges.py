@@ -177,3 +177,37 @@ def test_unknown_route_and_method(keyed_pool):
     assert httpx.get(keyed_pool.url + "/v1/nothing", headers=AUTH).status_code == 404
     r = httpx.get(keyed_pool.url + "/v1/completions", headers=AUTH)
     assert r.status_code == 405 and "error" in r.json()
+
+
+# --- bodies that once got a 500 and a traceback (issue 10, item 11) -----------------
+
+DEEP = b'{"prompt": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+HUGE_INT = b"1" + b"0" * 400  # 10**400: valid JSON, beyond any wire integer
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", DEEP, None),
+    ("/v1/completions", b'{"prompt": "Hi", "max_tokens": ' + HUGE_INT + b"}",
+     "max_tokens"),
+    ("/v1/completions", b'{"prompt": "Hi", "temperature": ' + HUGE_INT + b"}",
+     "temperature"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", b'{"prompt": "Hi", "stop": ["\\udfff"]}', "stop[0]"),
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": ["user"], "content": "x"}]}',
+     "messages[0].role"),
+    ("/v1/chat/completions", b'{"messages": [{"role": {"a": 1}, "content": "x"}]}',
+     "messages[0].role"),
+], ids=["nested-2000", "max_tokens-10e400", "temperature-10e400", "surrogate-prompt",
+        "surrogate-stop", "surrogate-content", "role-list", "role-object"])
+def test_hostile_body_is_400_not_500(keyed_pool, path, raw, param):
+    before = keyed_pool.status()["counters"].get("submitted", 0)
+    r = httpx.post(keyed_pool.url + path, content=raw,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error.get("param") == param
+    assert "Traceback" not in keyed_pool.frontend.log()
+    assert keyed_pool.status()["counters"].get("submitted", 0) == before
