@@ -29,6 +29,10 @@ class RequestRecord:
         self.request_id = request_id
         self.method = method
         self.endpoint = endpoint
+        #: The matched route's template (``/v1/completions``), or ``other``:
+        #: the metrics label. The raw path is for the log line only, as a
+        #: label it would let any client create series without end.
+        self.route = "other"
         self.key_suffix = "-"
         self.started_at = time.monotonic()
         self.status: int | None = None
@@ -58,7 +62,7 @@ class RequestRecord:
 
     def response_done(self, status: int) -> None:
         self.status = status
-        metrics.HTTP_RESPONSES.labels(self.endpoint, str(status)).inc()
+        metrics.HTTP_RESPONSES.labels(self.route, str(status)).inc()
         self._part_done()
 
     def _part_done(self) -> None:
@@ -111,6 +115,9 @@ class RequestLogMiddleware:
         if record is None:
             return
         record.key_suffix = req.context.get("key_suffix", "-")
+        # Set by falcon once a route matched; None for 404s and for requests
+        # refused before routing (401).
+        record.route = req.uri_template or "other"
         status = resp.status if isinstance(resp.status, int) else int(
             str(resp.status).split()[0])
         record.response_done(status)

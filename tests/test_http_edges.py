@@ -6,6 +6,7 @@ the broker's ``submitted`` counter must not move.
 
 from __future__ import annotations
 
+import re
 import socket
 
 import httpx
@@ -211,3 +212,21 @@ def test_hostile_body_is_400_not_500(keyed_pool, path, raw, param):
     assert error.get("param") == param
     assert "Traceback" not in keyed_pool.frontend.log()
     assert keyed_pool.status()["counters"].get("submitted", 0) == before
+
+
+def test_metric_labels_come_from_routes_not_raw_paths(keyed_pool):
+    """Unique paths, refused (401) or unknown (404), add no series (issue 10,
+    item 9): the label is the route template, or ``other``."""
+    marker = "zz-unique-path-marker"
+    for i in range(50):
+        httpx.get(f"{keyed_pool.url}/{marker}/{i}")  # 401: refused before routing
+        httpx.get(f"{keyed_pool.url}/{marker}/{i}", headers=AUTH)  # 404
+    _post(keyed_pool, AUTH)
+    text = httpx.get(keyed_pool.url + "/metrics", headers=AUTH).text
+    assert marker not in text
+    labels = set(re.findall(r'llamapool_http_responses_total\{endpoint="([^"]*)"',
+                            text))
+    assert "/v1/completions" in labels and "other" in labels
+    assert labels <= {"other", "/metrics", "/slots", *(
+        f"{prefix}/{name}" for prefix in ("", "/v1")
+        for name in ("completions", "chat/completions", "models", "health"))}
