@@ -1,6 +1,8 @@
 """Reading a request's JSON body: bounded in size, depth and values.
 
-Everything a client sends is parsed here before any field is looked at, so
+The body is read with or without a Content-Length (chunked), never beyond
+the limit. Everything a client sends is parsed here before any field is
+looked at, so
 the hostile shapes that would otherwise surface deep inside as a 500 are
 refused at the door with a 400 that names the field:
 
@@ -48,7 +50,7 @@ def read_json_body(req: falcon.Request, limit_bytes: int):
         raise PayloadTooLarge(
             f"the body is {req.content_length} bytes; the limit is {limit_bytes}"
         )
-    raw = req.bounded_stream.read(limit_bytes + 1)
+    raw = _read_at_most(req, limit_bytes + 1)
     if len(raw) > limit_bytes:
         raise PayloadTooLarge(f"the body is over the limit of {limit_bytes} bytes")
     try:
@@ -70,6 +72,27 @@ def read_json_body(req: falcon.Request, limit_bytes: int):
         raise BadRequest(f"'{where}' has a lone UTF-16 surrogate, which no text "
                          "can hold", param=where)
     return body
+
+
+def _read_at_most(req: falcon.Request, limit_bytes: int) -> bytes:
+    """Up to ``limit_bytes`` of the body, with or without a Content-Length.
+
+    falcon's ``bounded_stream`` trusts Content-Length and reads nothing without
+    it; a chunked body has none. The WSGI server (gunicorn) decodes the chunks
+    and ends ``wsgi.input`` at the last one, so it is read directly, in steps,
+    and never beyond the limit.
+    """
+    if req.content_length is not None or not req.get_header("Transfer-Encoding"):
+        return req.bounded_stream.read(limit_bytes)
+    parts: list[bytes] = []
+    left = limit_bytes
+    while left > 0:
+        part = req.stream.read(min(left, 65536))
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
 
 
 def _has_surrogate(value) -> bool:

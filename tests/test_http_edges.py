@@ -6,6 +6,7 @@ the broker's ``submitted`` counter must not move.
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 
@@ -230,3 +231,25 @@ def test_metric_labels_come_from_routes_not_raw_paths(keyed_pool):
     assert labels <= {"other", "/metrics", "/slots", *(
         f"{prefix}/{name}" for prefix in ("", "/v1")
         for name in ("completions", "chat/completions", "models", "health"))}
+
+
+def _chunks(data: bytes, size: int = 1000):
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+def test_chunked_body_is_read(keyed_pool):
+    """A body sent with Transfer-Encoding: chunked (no Content-Length) is read,
+    bounded by the same limit (issue 10, item 12)."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    r = httpx.post(keyed_pool.url + "/v1/completions", content=_chunks(body, 7),
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+    before = keyed_pool.status()["counters"].get("submitted", 0)
+    big = json.dumps({"prompt": "x" * (2 << 20)}).encode()
+    r = httpx.post(keyed_pool.url + "/v1/completions", content=_chunks(big, 65536),
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "request_too_large"
+    assert keyed_pool.status()["counters"].get("submitted", 0) == before
