@@ -133,9 +133,10 @@ class LedgerView:
         self.link = link
         self.settings = settings
 
-    def ledger(self, resp: falcon.Response) -> PoolStatus | None:
+    def ledger(self, resp: falcon.Response, max_age_s: float = 0.0
+               ) -> PoolStatus | None:
         """The broker's snapshot, or None after answering 503 for it."""
-        status = self.link.status(self.settings.health_timeout_s)
+        status = self.link.status(self.settings.health_timeout_s, max_age_s)
         if status is None:
             write_error(resp, Unavailable(ErrorCode.BROKER_UNREACHABLE,
                                           "broker unreachable"))
@@ -146,7 +147,8 @@ class ModelsResource(LedgerView):
     """``GET /v1/models``: the models the live workers serve."""
 
     def on_get(self, req, resp) -> None:
-        status = self.link.status(self.settings.health_timeout_s)
+        status = self.link.status(self.settings.health_timeout_s,
+                                  self.settings.health_cache_s)
         slots = status.slots if status is not None else []
         models: dict[str, dict] = {}
         for slot in slots:
@@ -169,7 +171,7 @@ class HealthResource(LedgerView):
     """``GET /health``: 200 once a worker is loaded, 503 while none is."""
 
     def on_get(self, req, resp) -> None:
-        status = self.ledger(resp)
+        status = self.ledger(resp, self.settings.health_cache_s)
         if status is None:
             return
         if status.slots_total == 0:

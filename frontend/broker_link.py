@@ -19,6 +19,7 @@ import os
 import queue
 import socket
 import threading
+import time
 import uuid
 
 import zmq
@@ -80,6 +81,9 @@ class BrokerLink(LinkHandler):
         self._start_lock = threading.Lock()
         self._streams: dict[str, JobStream] = {}
         self._status_waiters: dict[str, queue.SimpleQueue] = {}
+        #: The newest STATUS reply and when it arrived (monotonic), for
+        #: callers that accept a slightly stale ledger.
+        self._latest_status: tuple[float, PoolStatus] | None = None
         self._started_pid: int | None = None
         self._conn: BrokerConnection | None = None
         self.malformed_dropped = 0
@@ -129,9 +133,20 @@ class BrokerLink(LinkHandler):
         """Stop routing frames to this job (late frames are dropped)."""
         self._streams.pop(job_id, None)
 
-    def status(self, timeout_s: float) -> PoolStatus | None:
-        """The broker's ledger snapshot, or None if it does not answer in time."""
+    def status(self, timeout_s: float, max_age_s: float = 0.0) -> PoolStatus | None:
+        """The broker's ledger snapshot, or None if it does not answer in time.
+
+        With ``max_age_s``, a snapshot that arrived that recently is returned
+        without asking again, while the broker is alive and the snapshot shows
+        a loaded worker: a pool still loading is asked each time, so every
+        process reports it ready as soon as it is.
+        """
         self.start()
+        latest = self._latest_status
+        if (max_age_s > 0 and latest is not None and latest[1].slots_total > 0
+                and self.broker_alive()
+                and time.monotonic() - latest[0] <= max_age_s):
+            return latest[1]
         request_id = uuid.uuid4().hex
         waiter: queue.SimpleQueue = queue.SimpleQueue()
         self._status_waiters[request_id] = waiter
@@ -164,6 +179,7 @@ class BrokerLink(LinkHandler):
                     stream.accepted = True
                 stream.put(msg)
         elif isinstance(msg, messages.StatusReply):
+            self._latest_status = (time.monotonic(), msg.snapshot)
             waiter = self._status_waiters.get(msg.request_id)
             if waiter is not None:
                 waiter.put(msg.snapshot)
@@ -178,6 +194,7 @@ class BrokerLink(LinkHandler):
             self._conn.send(messages.Hello(os.getpid(), socket.gethostname()))
 
     def on_lost(self, silent_s: float) -> None:
+        self._latest_status = None
         self.broker_losses += 1
         log.warning("lost the broker; failing %d open jobs", len(self._streams))
         self._fail_all(ErrorCode.BROKER_UNREACHABLE, "lost contact with the broker")

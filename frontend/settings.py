@@ -13,6 +13,7 @@ Every default is documented in this one place.
 | LLAMAPOOL_SUBMIT_TIMEOUT_S     | 5.0            | wait for the broker's answer  |
 | LLAMAPOOL_FRAME_TIMEOUT_S      | 600.0          | longest silence mid-job       |
 | LLAMAPOOL_HEALTH_TIMEOUT_S     | 1.0            | /health never blocks longer   |
+| LLAMAPOOL_HEALTH_CACHE_S       | 0.25           | /health may be this stale     |
 | LLAMAPOOL_HEARTBEAT_INTERVAL_S | 1.0            | heartbeat to the broker       |
 | LLAMAPOOL_HEARTBEAT_LIVENESS   | 3              | missed beats = broker lost    |
 | LLAMAPOOL_MODEL_NAME           | (from workers) | name when no worker is known  |
@@ -60,6 +61,10 @@ class FrontendSettings:
         600.0, "LLAMAPOOL_FRAME_TIMEOUT_S", "longest silence mid-job")
     health_timeout_s: float = setting(
         1.0, "LLAMAPOOL_HEALTH_TIMEOUT_S", "/health never blocks longer")
+    #: /health and /v1/models may answer from a ledger this fresh, so a flood
+    #: of unauthenticated checks costs the broker a few STATUS a second.
+    health_cache_s: float = setting(
+        0.25, "LLAMAPOOL_HEALTH_CACHE_S", "/health may be this stale")
     heartbeat_interval_s: float = setting(
         timing.HEARTBEAT_INTERVAL_S, "LLAMAPOOL_HEARTBEAT_INTERVAL_S",
         "heartbeat to the broker")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import time
 
 import httpx
 import openai
@@ -253,3 +254,20 @@ def test_chunked_body_is_read(keyed_pool):
     assert r.status_code == 413, r.text
     assert r.json()["error"]["code"] == "request_too_large"
     assert keyed_pool.status()["counters"].get("submitted", 0) == before
+
+
+def test_health_flood_costs_the_broker_few_status_requests(keyed_pool):
+    """Unauthenticated /health checks are answered from a ledger at most
+    LLAMAPOOL_HEALTH_CACHE_S (0.25 s) old (issue 10, item 14)."""
+    def asked() -> int:
+        return keyed_pool.status()["counters"].get("status_requests", 0)
+
+    before = asked()
+    started = time.monotonic()
+    with httpx.Client() as client:
+        for _ in range(300):
+            assert client.get(keyed_pool.url + "/health").status_code == 200
+    elapsed = time.monotonic() - started
+    by_frontend = asked() - before - 1  # the probe's own second STATUS
+    # Each of gunicorn's 2 processes asks at most once per 0.25 s.
+    assert by_frontend <= 2 * (elapsed / 0.25 + 1), (by_frontend, elapsed)

@@ -207,6 +207,7 @@ class Broker:
                 self.ledger.register_frontend(ident, now)
             self._on_submit(ident, msg, raw, now)
         elif isinstance(msg, messages.Status):
+            self.counters["status_requests"] += 1
             snapshot = self.snapshot(now)
             self._to_frontend(ident, messages.StatusReply(msg.request_id, snapshot))
         elif not known:
