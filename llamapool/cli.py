@@ -294,7 +294,7 @@ def run_worker(args: argparse.Namespace) -> int:
         return _fail(log, ExitCode.MODEL_LOAD, "model file not found: %s",
                      settings.model_path)
     try:
-        worker = ModelWorker(settings, lambda: load_engine(settings), settings.label,
+        worker = ModelWorker(settings, lambda: load_engine(settings),
                              notifier=sd_notify.Notifier())
     except CurveKeyError as exc:
         return _fail(log, ExitCode.CURVE_KEYS, "%s", exc)

@@ -140,6 +140,17 @@ def _forwarded(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
     return argv
 
 
+def _unrecoverable(broker: Child, frontend: Child, workers: list[Child]) -> int | None:
+    """The exit code that ends the pool: the broker's or the frontend's, or
+    the workers' once every one of them has given up; None while it can run."""
+    for child in (broker, frontend):
+        if child.given_up is not None:
+            return child.given_up
+    if all(w.given_up is not None for w in workers):
+        return workers[0].given_up
+    return None
+
+
 def run_up(args: argparse.Namespace) -> int:
     stop = StopFlag().install()
     model = args.model or default_model_path()
@@ -185,12 +196,10 @@ def run_up(args: argparse.Namespace) -> int:
             now = time.monotonic()
             for child in children:
                 child.check(now)
-            fatal = [c.given_up for c in (broker, frontend) if c.given_up] or (
-                [workers[0].given_up]
-                if all(w.given_up for w in workers) else [])
-            if fatal:
+            code = _unrecoverable(broker, frontend, workers)
+            if code is not None:
                 log.error("the pool cannot run; stopping")
-                return fatal[0]
+                return code
             if not announced and _health_ok(url + "/health"):
                 print(f"llamapool ready at {url}/v1 ({args.workers} workers, "
                       f"model {os.path.basename(model)})", flush=True)

@@ -317,8 +317,9 @@ def test_worker_registers_runs_refuses_and_says_goodbye(broker):
     ctx, notes, stop = zmq.Context(), Notes(), threading.Event()
     worker = ModelWorker(
         WorkerSettings(broker.endpoint, heartbeat_interval_s=0.05,
-                       heartbeat_liveness=NEVER_LOST, shutdown_grace_s=1.0),
-        load_engine, "m", ctx=ctx, notifier=notes,
+                       heartbeat_liveness=NEVER_LOST, shutdown_grace_s=1.0,
+                       engine="synthetic", model_name="m"),
+        load_engine, ctx=ctx, notifier=notes,
     )
     runner = threading.Thread(target=worker.run, args=(stop,))
     runner.start()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -21,6 +20,7 @@ from llamapool.exit_codes import ExitCode
 from protocol import defaults
 from protocol.settings import ConfigError, defaults_table, load, to_env
 from tests.pool import Proc, free_port, wait_until
+from tests.pool import cli as cli_argv
 from workers.broker import settings as broker_settings
 from workers.model import settings as worker_settings
 
@@ -80,7 +80,7 @@ def test_bad_settings_are_named(env, message):
 
 
 def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llamapool", *args],
+    return subprocess.run(cli_argv(*args),
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, **(env or {})})
 
@@ -104,8 +104,8 @@ def test_worker_without_model_exits_with_usage_code():
 def test_up_does_not_restart_a_child_with_a_key_error(tiny_model, tmp_path):
     """A missing key file is not fixed by restarting: ``up`` stops, exit 7."""
     missing = str(tmp_path / "no-such.key_secret")
-    up = Proc("up", [sys.executable, "-m", "llamapool", "up", "--model",
-                     str(tiny_model), "--workers", "1", "--port", str(free_port())],
+    up = Proc("up", cli_argv("up", "--model", str(tiny_model), "--workers", "1",
+                             "--port", str(free_port())),
               tmp_path, env={**os.environ, "LLAMAPOOL_CURVE_SECRET_KEY": missing})
     try:
         wait_until(lambda: not up.alive(), 60, "llamapool up to give up")

@@ -29,6 +29,7 @@ worker process does. Every default is documented here:
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from protocol import defaults, timing
 from protocol.settings import setting
@@ -89,4 +90,4 @@ class WorkerSettings:
             return self.model_name
         if self.engine == "synthetic":
             return "synthetic"
-        return self.model_path.rsplit("/", 1)[-1]
+        return os.path.basename(self.model_path)

@@ -180,7 +180,6 @@ class ModelWorker(LinkHandler):
         self,
         settings: WorkerSettings,
         load_engine: Callable[[], Engine],
-        model_label: str,
         ctx: zmq.Context | None = None,
         notifier: ServiceNotifier | None = None,
     ) -> None:
@@ -189,7 +188,6 @@ class ModelWorker(LinkHandler):
         #: Raises ``CurveKeyError`` here, before any socket exists.
         self.curve = client_keys(settings.curve_server_key, settings.curve_secret_key)
         self._load_engine = load_engine
-        self.model_label = model_label
         #: None until the model has loaded; the link sends LOADING heartbeats
         #: until then, and READY after.
         self.engine: Engine | None = None
@@ -324,7 +322,7 @@ class ModelWorker(LinkHandler):
     def heartbeat(self, now: float) -> messages.Message:
         self._sd.watchdog(now)
         if self.engine is None:
-            return messages.Loading(self.name, self.model_label, os.getpid(),
+            return messages.Loading(self.name, self.settings.label, os.getpid(),
                                     socket.gethostname())
         job = self._job
         return messages.Heartbeat(job.progress() if job is not None else None)
