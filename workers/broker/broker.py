@@ -25,7 +25,7 @@ import time
 
 import zmq
 
-from protocol import messages, timing
+from protocol import curve, messages, timing
 from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from protocol.payloads import PoolStatus
@@ -64,23 +64,30 @@ class Broker:
         self._worker_sock: zmq.Socket | None = None
         self._sd = notifier or SilentNotifier()
         self.security = BrokerSecurity(
-            settings.curve_secret_key, settings.curve_authorized_dir,
-            settings.insecure_plaintext,
-            on_refused=lambda: self.counters.update(("curve_refused",)),
+            settings.curve_secret_key, settings.curve_authorized_workers,
+            settings.curve_authorized_frontends, settings.insecure_plaintext,
+            on_refused=self._count_refusal,
         )
         if self.security.enabled:
-            # Created here so the ZAP thread only ever increments it.
-            self.counters["curve_refused"] = 0
+            # Created here so the ZAP thread only ever increments them.
+            for name in ("curve_refused", *(f"curve_refused_{role}" for role in
+                                            (curve.WORKERS, curve.FRONTENDS))):
+                self.counters[name] = 0
+
+    def _count_refusal(self, role: str) -> None:
+        """Called from the ZAP thread for each refused handshake."""
+        self.counters["curve_refused"] += 1
+        self.counters[f"curve_refused_{role}"] += 1
 
     # --- sockets ---------------------------------------------------------------
 
-    def _router(self, endpoint: str) -> zmq.Socket:
+    def _router(self, endpoint: str, role: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
-        self.security.configure(sock)
+        self.security.configure(sock, role)
         sock.bind(endpoint)
         return sock
 
@@ -89,8 +96,10 @@ class Broker:
             (self.settings.frontends_endpoint, self.settings.workers_endpoint)
         )
         self.security.start(self.ctx)
-        self._frontend_sock = self._router(self.settings.frontends_endpoint)
-        self._worker_sock = self._router(self.settings.workers_endpoint)
+        self._frontend_sock = self._router(self.settings.frontends_endpoint,
+                                           curve.FRONTENDS)
+        self._worker_sock = self._router(self.settings.workers_endpoint,
+                                         curve.WORKERS)
         log.info(
             "broker listening: frontends=%s workers=%s",
             self.settings.frontends_endpoint,
