@@ -62,6 +62,11 @@ def frontend_proc(keys_dir, key_name: str, frontends: str, http_port: int,
         *TEST_HEARTBEAT), run_dir, env=env)
 
 
+def _slot_pids(probe) -> list[int]:
+    snap = probe.status(timeout_s=1)
+    return [s["pid"] for s in snap["slots"]] if snap else []
+
+
 def handshake(endpoint: str, keys: curve.ClientKeys, timeout_s: float = 30) -> str:
     """Connect a fresh CURVE DEALER; "accepted" or "refused" as the client sees it."""
     ctx = zmq.Context.instance()
@@ -242,8 +247,9 @@ def overwrite_in_place(path, content: bytes) -> None:
 
 @pytest.mark.stack
 def test_overwritten_key_is_noticed(tmp_path, endpoints, record_property):
-    """Old key refused, new key accepted, with no restart; open links stay."""
-    keys = keygen(tmp_path / "keys", "--worker", "w-old", "--frontend", "frontend")
+    """Old key refused (even on its open link), new key accepted, no restart."""
+    keys = keygen(tmp_path / "keys", "--worker", "w-old", "--frontend", "frontend",
+                  "--frontend", "f-revoked")
     spare = keygen(tmp_path / "spare", "--worker", "w-new")
     (tmp_path / "keys" / "w-new.key_secret").write_bytes(
         (spare / "w-new.key_secret").read_bytes())
@@ -274,13 +280,32 @@ def test_overwritten_key_is_noticed(tmp_path, endpoints, record_property):
         assert outcomes == {"w-old": "refused", "w-new": "accepted"}
         # A real worker with the new key registers, with no broker restart.
         new_worker = Proc("worker-new", worker_args("w-new"), tmp_path)
-        wait_until(lambda: (probe.status(timeout_s=1) or {}).get("slots_total") == 2,
-                   60, "the w-new worker to register")
-        # ZAP runs only at the handshake: the w-old worker's connection, opened
-        # before the overwrite, stays up (documented in deploy/README.md).
+        wait_until(lambda: new_worker.pid in _slot_pids(probe), 60,
+                   "the w-new worker to register")
+        # ZAP runs only at the handshake, but the broker checks each message's
+        # key too: the w-old worker's connection, opened before the overwrite,
+        # is dropped from the ledger, and its redial is refused.
+        wait_until(lambda: old_worker.pid not in _slot_pids(probe), 30,
+                   "the broker to drop the w-old worker's open connection")
+        wait_until(lambda: "refused this peer's CURVE public key"
+                   in old_worker.log(), 90, "the w-old worker's redial refused")
         snap = probe.status()
-        assert old_worker.pid in [s["pid"] for s in snap["slots"]]
+        assert [s["pid"] for s in snap["slots"]] == [new_worker.pid]
+        assert snap["counters"]["curve_revoked_peers"] == 1
+        record_property("curve_revoked_dropped",
+                        snap["counters"]["curve_revoked_dropped"])
         assert "authorized workers keys" in broker.log()
+        assert "revoked: dropping its worker" in broker.log()
+        # The same for a frontend-side connection: deleted key, open link.
+        doomed = CurveProbe(frontends, client_keys(keys, "f-revoked"))
+        try:
+            assert doomed.status() is not None
+            (keys / "authorized" / "frontends" / "f-revoked.key").unlink()
+            wait_until(lambda: doomed.status(timeout_s=1) is None, 30,
+                       "the broker to stop answering the revoked frontend key")
+            assert probe.status() is not None  # the other frontend key still works
+        finally:
+            doomed.close()
     finally:
         probe.close()
         codes = [p.stop() for p in (new_worker, old_worker) if p is not None]

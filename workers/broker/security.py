@@ -13,9 +13,12 @@ frame from it. Each refusal is counted (``curve_refused`` and
 
 Each directory is re-read when anything in it changes, so adding, removing
 or overwriting a host's key needs no broker restart (``KeyDirectory``). ZAP
-runs only at the handshake: a revoked key stops new connections, while a
-connection it already opened stays up until that peer disconnects (restart
-the broker to cut it at once; see deploy/README.md).
+runs only at the handshake, so a revoked key would keep the connections it
+already opened; the broker therefore also re-reads the directories once per
+heartbeat and checks every message's ``User-Id`` (the client key ZAP
+accepted) against them: messages from a revoked key are dropped and its
+peer leaves the ledger (``Broker._drain``). Unanswered, that peer redials
+after its silence window, and the new handshake is refused.
 
 Bind policy: without CURVE the broker binds only local endpoints (loopback
 TCP, ``ipc://``) unless the operator passed ``--insecure-plaintext``.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -100,6 +104,7 @@ class KeyDirectory:
         self._trusted = False
         self._loaded = False
         self._keys: frozenset[bytes] = frozenset()
+        self._lock = threading.Lock()
         self.reload()
 
     @property
@@ -113,6 +118,10 @@ class KeyDirectory:
         Raises:
             CurveKeyError: the directory or a key in it cannot be read.
         """
+        with self._lock:
+            return self._reload()
+
+    def _reload(self) -> frozenset[bytes]:
         try:
             before = _fingerprint(self.directory)
             if self._trusted and before == self._fingerprint:
@@ -277,6 +286,24 @@ class BrokerSecurity:
             self._auth.configure_curve_callback(
                 domain=curve.ZAP_DOMAINS[role], credentials_provider=allow_list)
         log.info("CURVE on: broker public key %s", self._keys.public.decode())
+
+    def current_keys(self) -> dict[str, frozenset[bytes]] | None:
+        """Each role's keys as the directories hold them now; None in plaintext.
+
+        The broker's loop calls this once per heartbeat, to drop messages
+        from connections whose key was revoked after their handshake. A
+        directory that cannot be read keeps its previous keys (logged).
+        """
+        if not self.allow_lists:
+            return None
+        keys = {}
+        for role, allow_list in self.allow_lists.items():
+            try:
+                keys[role] = allow_list.keys.reload()
+            except curve.CurveKeyError as exc:
+                log.error("%s; keeping the previous key list", exc)
+                keys[role] = allow_list.keys.current
+        return keys
 
     def configure(self, sock: zmq.Socket, role: str) -> None:
         """Make the ``role`` socket a CURVE server (no-op in plaintext)."""
