@@ -254,7 +254,9 @@ def test_overwritten_key_is_noticed(tmp_path, endpoints, record_property):
     (tmp_path / "keys" / "w-new.key_secret").write_bytes(
         (spare / "w-new.key_secret").read_bytes())
     frontends, workers = endpoints
-    broker = Proc("broker", broker_argv(keys, frontends, workers), tmp_path)
+    metrics_port = free_port()
+    broker = Proc("broker", [*broker_argv(keys, frontends, workers),
+                             "--metrics-port", str(metrics_port)], tmp_path)
     probe = CurveProbe(frontends, client_keys(keys, "frontend"))
     synthetic = ("--engine", "synthetic", "--tokens-per-second", "200")
     worker_args = lambda key: cli(  # noqa: E731
@@ -296,6 +298,9 @@ def test_overwritten_key_is_noticed(tmp_path, endpoints, record_property):
                         snap["counters"]["curve_revoked_dropped"])
         assert "authorized workers keys" in broker.log()
         assert "revoked: dropping its worker" in broker.log()
+        wait_until(lambda: "llamapool_broker_curve_revoked_peers_total 1.0" in
+                   httpx.get(f"http://127.0.0.1:{metrics_port}/metrics",
+                             timeout=2).text, 30, "the revocation in /metrics")
         # The same for a frontend-side connection: deleted key, open link.
         doomed = CurveProbe(frontends, client_keys(keys, "f-revoked"))
         try:

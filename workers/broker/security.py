@@ -17,7 +17,7 @@ runs only at the handshake, so a revoked key would keep the connections it
 already opened; the broker therefore also re-reads the directories once per
 heartbeat and checks every message's ``User-Id`` (the client key ZAP
 accepted) against them: messages from a revoked key are dropped and its
-peer leaves the ledger (``Broker._drain``). Unanswered, that peer redials
+peer leaves the ledger (``Broker._recv_authorized``). Unanswered, that peer redials
 after its silence window, and the new handshake is refused.
 
 Bind policy: without CURVE the broker binds only local endpoints (loopback
@@ -92,9 +92,9 @@ class KeyDirectory:
     """The public keys of one role: the ``*.key`` files in one directory.
 
     ``reload()`` re-reads the directory when its fingerprint changed, or
-    when the last read was too close to a change to be trusted. Only one
-    thread uses it at a time: the broker's before the ZAP handler starts,
-    then the ZAP handler's.
+    when the last read was too close to a change to be trusted. The ZAP
+    thread calls it at each handshake and the broker's loop once per
+    heartbeat, hence the lock.
     """
 
     def __init__(self, role: str, directory: str) -> None:
