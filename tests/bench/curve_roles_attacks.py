@@ -13,7 +13,9 @@ per role after. Then, and prints one markdown row per attack:
    completions does it get served?
 3. A listed key overwritten in place (same inode, size and mtime, as
    ``cp -p`` does): is the old key still accepted, the new one refused?
-4. ``llamapool keygen`` into an existing 0700 directory: its mode after.
+4. A listed worker key deleted while that worker's connection is open: is
+   the worker dropped (and how fast), or does it keep its slot?
+5. ``llamapool keygen`` into an existing 0700 directory: its mode after.
 
 The same script runs on the base commit (copy it there) for the "before"
 column; nothing here imports code that only the fix has.
@@ -208,6 +210,24 @@ def overwritten_key(run: Path, keys: Path, spare: Path, roles: bool) -> str:
         stack.close()
 
 
+def revoked_open_connection(run: Path, keys: Path, roles: bool) -> str:
+    listed = keys / "authorized" / ("workers" if roles else "") / "worker.key"
+    stack = Stack(run, keys, roles)
+    try:
+        worker = stack.worker("revoked", "worker")
+        wait_until(lambda: stack.status()["slots_total"] == 1, 60, "the worker")
+        listed.unlink()
+        revoked_at = time.monotonic()
+        deadline = revoked_at + 10
+        while time.monotonic() < deadline:
+            if worker.pid not in [s["pid"] for s in stack.status()["slots"]]:
+                return f"dropped after {time.monotonic() - revoked_at:.1f} s"
+            time.sleep(0.05)
+        return "still registered 10 s later"
+    finally:
+        stack.close()
+
+
 def keygen_mode(tmp: Path) -> str:
     out = tmp / "mode-check"
     out.mkdir()
@@ -233,6 +253,8 @@ def main() -> int:
              lambda r: worker_key_as_frontend(r, keys, roles, args.requests)),
             ("listed key overwritten in place",
              lambda r: overwritten_key(r, keys, spare, roles)),
+            ("listed key deleted, its worker's link open",
+             lambda r: revoked_open_connection(r, keygen(tmp_path / "keys2"), roles)),
             ("keygen into an existing 0700 dir", lambda r: keygen_mode(r)),
         ]:
             run_dir = Path(tempfile.mkdtemp(dir=tmp_path))
