@@ -35,7 +35,8 @@ faults: $(STAMP_TEST)
 # Benchmarks: scripts in tests/bench/ (pytest never collects them), each
 # printing a markdown table. `make bench-broker BENCH_ARGS=--quick` for a
 # short smoke run.
-.PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop
+.PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop \
+	bench-curve-roles
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -51,6 +52,10 @@ bench-memory: $(STAMP_TEST)
 
 bench-generate-loop: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_generate_loop $(BENCH_ARGS)
+
+# The CURVE role attacks against this checkout (before/after table).
+bench-curve-roles: $(STAMP_TEST)
+	$(PY) -m tests.bench.curve_roles_attacks $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -25,7 +25,7 @@ from llamapool.exit_codes import ExitCode
 from llamapool.signals import StopFlag
 from protocol.curve import CurveKeyError, client_keys
 from protocol.settings import ConfigError, load, to_env
-from workers.broker.settings import BrokerSettings
+from workers.broker.settings import BrokerSettings, reject_removed
 from workers.model.settings import ENGINES, WorkerSettings
 
 
@@ -61,6 +61,8 @@ def settings_for(args: argparse.Namespace) -> Any:
         ConfigError: a required setting is missing or a variable is malformed.
     """
     cls = SETTINGS[args.command]
+    if cls is BrokerSettings:
+        reject_removed(os.environ, args.removed_authorized_dir)
     flags = given_flags(args, cls)
     if "api_keys" in flags:
         flags["api_keys"] = tuple(flags["api_keys"])
@@ -192,7 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     setting_flag(broker, "--metrics-port", B, "metrics_port", type=_non_negative_int)
     _add_liveness_flags(broker, B)
     setting_flag(broker, "--curve-secret-key", B, "curve_secret_key")
-    setting_flag(broker, "--curve-authorized-dir", B, "curve_authorized_dir")
+    setting_flag(broker, "--curve-authorized-workers", B, "curve_authorized_workers")
+    setting_flag(broker, "--curve-authorized-frontends", B,
+                 "curve_authorized_frontends")
+    # Removed (keys have roles now); kept only to say so instead of
+    # argparse's bare "unrecognized arguments".
+    broker.add_argument("--curve-authorized-dir", dest="removed_authorized_dir",
+                        default=None, help=argparse.SUPPRESS)
     setting_flag(broker, "--insecure-plaintext", B, "insecure_plaintext",
                  action="store_const", const=True)
 

@@ -3,8 +3,9 @@
 Between hosts every link is CURVE-encrypted and authenticated. The broker is
 the CURVE *server* (it holds its secret key; clients must know its public
 key); workers and frontends are *clients* with their own key pairs, whose
-public keys the broker lists in an authorized directory (see
-``workers.broker.security``).
+public keys the broker lists in one authorized directory per role: a key
+listed for workers is accepted only on the workers socket, a key listed for
+frontends only on the frontends socket (see ``workers.broker.security``).
 
 Key files are ZeroMQ certificates as written by ``zmq.auth.create_certificates``
 (``llamapool keygen``): ``NAME.key`` holds the public key, ``NAME.key_secret``
@@ -26,8 +27,12 @@ from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger("llamapool.curve")
 
-#: The ZAP domain the broker's sockets use; the authenticator answers for it.
-ZAP_DOMAIN = "llamapool"
+#: The two roles a client key can have, one per broker socket.
+WORKERS = "workers"
+FRONTENDS = "frontends"
+#: The ZAP domain of each broker socket. The ZAP request carries it, so one
+#: handler checks a key against the right role's allow-list.
+ZAP_DOMAINS = {WORKERS: "llamapool-workers", FRONTENDS: "llamapool-frontends"}
 
 
 class CurveKeyError(ValueError):
@@ -72,12 +77,16 @@ class ServerKeys:
     def from_file(cls, secret_file: str | os.PathLike) -> ServerKeys:
         return cls(*load_key_pair(secret_file))
 
-    def apply(self, sock: zmq.Socket) -> None:
-        """Make ``sock`` a CURVE server (call before ``bind``)."""
+    def apply(self, sock: zmq.Socket, zap_domain: str) -> None:
+        """Make ``sock`` a CURVE server (call before ``bind``).
+
+        ``zap_domain`` (one of ``ZAP_DOMAINS``) says which role's keys the
+        ZAP handler accepts on this socket.
+        """
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
-        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+        sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain.encode())
 
     def __repr__(self) -> str:  # never print a secret key
         return f"ServerKeys(public={self.public.decode()!r})"
@@ -144,7 +153,9 @@ def watch_handshakes(sock: zmq.Socket, public: bytes) -> threading.Thread:
                 if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                     log.error(
                         "the broker refused this peer's CURVE public key %s: add "
-                        "its .key file to the broker's authorized directory", key
+                        "its .key file to the broker's authorized directory for "
+                        "this role (--curve-authorized-workers for a worker, "
+                        "--curve-authorized-frontends for a frontend)", key
                     )
                 else:
                     log.error(

@@ -79,11 +79,10 @@ class NotifyListener:
         self.sock.close()
 
 
-def keygen(directory: Path, *clients: str) -> Path:
-    """Run the real ``llamapool keygen``; returns the directory."""
-    extra = [a for name in clients for a in ("--client", name)]
+def keygen(directory: Path, *args: str) -> Path:
+    """Run the real ``llamapool keygen`` (``args``: e.g. ``--worker w1``)."""
     subprocess.run(
-        [sys.executable, "-m", "llamapool", "keygen", str(directory), *extra],
+        [sys.executable, "-m", "llamapool", "keygen", str(directory), *args],
         check=True, capture_output=True,
     )
     return directory

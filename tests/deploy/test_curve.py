@@ -1,8 +1,10 @@
 """ZeroMQ CURVE between hosts: keys, the bind policy, refusal, the happy path.
 
 Real processes over loopback TCP. The broker accepts only the public keys in
-its authorized directory; a peer with any other key never completes the
-handshake, so it never gets a slot or a frame, and the refusal is counted.
+its authorized directories, one per role; a peer with any other key never
+completes the handshake, so it never gets a slot or a frame, and the refusal
+is counted. Role tests (a frontend's key as a worker, a worker's key as a
+frontend, a key overwritten in place) are in ``test_curve_roles.py``.
 """
 
 from __future__ import annotations
@@ -48,8 +50,14 @@ def client_keys(keys_dir, name: str, broker_keys_dir=None) -> curve.ClientKeys:
 def broker_argv(keys_dir, frontends: str, workers: str) -> list[str]:
     return cli("broker", "--frontends", frontends, "--workers", workers,
                "--curve-secret-key", str(keys_dir / "broker.key_secret"),
-               "--curve-authorized-dir", str(keys_dir / "authorized"),
-               *TEST_HEARTBEAT)
+               *authorized_args(keys_dir), *TEST_HEARTBEAT)
+
+
+def authorized_args(keys_dir) -> list[str]:
+    """The broker's two allow-list flags for a ``llamapool keygen`` directory."""
+    return ["--curve-authorized-workers", str(keys_dir / "authorized" / "workers"),
+            "--curve-authorized-frontends",
+            str(keys_dir / "authorized" / "frontends")]
 
 
 def worker_argv(keys_dir, broker_keys_dir, workers: str, model) -> list[str]:
@@ -68,15 +76,26 @@ def test_keygen_modes_and_idempotence(tmp_path):
     for name in ("broker", "worker", "frontend"):
         assert stat.S_IMODE((out / f"{name}.key_secret").stat().st_mode) == 0o600
         assert stat.S_IMODE((out / f"{name}.key").stat().st_mode) == 0o644
-    listed = sorted(p.name for p in (out / "authorized").iterdir())
-    assert listed == ["frontend.key", "worker.key"]  # never the broker's
+    # One directory per role, never the broker's key.
+    assert sorted(p.name for p in (out / "authorized").iterdir()) == [
+        "frontends", "workers"]
+    assert [p.name for p in (out / "authorized" / "workers").iterdir()] == [
+        "worker.key"]
+    assert [p.name for p in (out / "authorized" / "frontends").iterdir()] == [
+        "frontend.key"]
     broker_secret = (out / "broker.key_secret").read_bytes()
-    keygen(out, "worker-host3")  # adds one pair, keeps the rest
+    keygen(out, "--worker", "worker-host3")  # adds one pair, keeps the rest
     assert (out / "broker.key_secret").read_bytes() == broker_secret
-    assert (out / "authorized" / "worker-host3.key").exists()
-    bad = subprocess.run([sys.executable, "-m", "llamapool", "keygen", str(out),
-                          "--client", "../escape"], capture_output=True, text=True)
-    assert bad.returncode == 2
+    assert (out / "authorized" / "workers" / "worker-host3.key").exists()
+    assert not (out / "authorized" / "frontends" / "worker-host3.key").exists()
+    for bad_args, why in [(["--worker", "../escape"], "bad key name"),
+                          (["--frontend", "worker-host3"], "one role"),
+                          (["--worker", "x", "--frontend", "x"], "one role"),
+                          (["--client", "h1"], "--worker NAME or --frontend")]:
+        bad = subprocess.run([sys.executable, "-m", "llamapool", "keygen", str(out),
+                              *bad_args], capture_output=True, text=True)
+        assert bad.returncode == 2 and why in bad.stdout, (bad_args, bad.stdout)
+    assert not (out / "x.key_secret").exists()  # a refusal writes nothing
 
 
 @pytest.mark.parametrize("endpoint, local", [
@@ -102,7 +121,7 @@ def test_plaintext_on_a_network_address_is_refused(tmp_path, keys):
     bad_key = subprocess.run(
         cli("broker", "--frontends", exposed, "--workers", f"ipc://{tmp_path}/w",
             "--curve-secret-key", str(tmp_path / "missing.key_secret"),
-            "--curve-authorized-dir", str(keys[0] / "authorized")),
+            *authorized_args(keys[0])),
         capture_output=True, text=True, timeout=60,
     )
     assert bad_key.returncode == ExitCode.CURVE_KEYS
@@ -240,7 +259,7 @@ def test_unlisted_key_is_refused_and_counted(tmp_path, keys, tiny_model):
         ctx.term()
         codes = [rogue_worker.stop(), worker.stop(), broker.stop()]
     assert codes == [0, 0, 0]
-    assert "refused unlisted public key" in broker.log()
+    assert "refused public key" in broker.log()
 
 
 # --- the encrypted happy path -----------------------------------------------------

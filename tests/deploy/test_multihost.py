@@ -112,8 +112,9 @@ class Deployment:
         hosts = {name: lan.add_host(name, octet) for name, octet in
                  [("broker", 2), ("wh1", 11), ("wh2", 12), ("fh1", 21),
                   ("fh2", 22), ("client", 100)]}
-        keys = keygen(run / "keys", "worker-wh1", "worker-wh2", "frontend-fh1",
-                      "frontend-fh2", "probe")
+        keys = keygen(run / "keys", "--worker", "worker-wh1", "--worker",
+                      "worker-wh2", "--frontend", "frontend-fh1", "--frontend",
+                      "frontend-fh2", "--frontend", "probe")
         broker_ip = hosts["broker"].address
         self.frontends_ep = f"tcp://{broker_ip}:5555"
         workers_ep = f"tcp://{broker_ip}:5556"
@@ -125,7 +126,9 @@ class Deployment:
         self._spawn("broker", hosts["broker"], cli(
             "broker", "--frontends", self.frontends_ep, "--workers", workers_ep,
             "--curve-secret-key", str(keys / "broker.key_secret"),
-            "--curve-authorized-dir", str(keys / "authorized"), *HEARTBEAT))
+            "--curve-authorized-workers", str(keys / "authorized" / "workers"),
+            "--curve-authorized-frontends", str(keys / "authorized" / "frontends"),
+            *HEARTBEAT))
         self.worker_pids: dict[str, set[int]] = collections.defaultdict(set)
         for host in ("wh1", "wh2"):
             for i in (1, 2):

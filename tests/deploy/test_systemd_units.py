@@ -183,10 +183,13 @@ def test_execstart_parses_with_the_example_env(unit, example, monkeypatch):
     settings = cli.settings_for(args)  # flags over the example's variables
     if args.command == "broker":
         # Network endpoints, with CURVE: the bind policy lets it through.
-        BrokerSecurity(settings.curve_secret_key, settings.curve_authorized_dir,
+        BrokerSecurity(settings.curve_secret_key, settings.curve_authorized_workers,
+                       settings.curve_authorized_frontends,
                        settings.insecure_plaintext).check_endpoints(
             (settings.frontends_endpoint, settings.workers_endpoint))
-        assert settings.curve_authorized_dir
+        # One directory per role, and never the same one.
+        assert settings.curve_authorized_workers.endswith("/workers")
+        assert settings.curve_authorized_frontends.endswith("/frontends")
     else:
         assert settings.curve_server_key and settings.curve_secret_key
         assert settings.broker_endpoint.startswith("tcp://")

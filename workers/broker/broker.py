@@ -25,7 +25,7 @@ import time
 
 import zmq
 
-from protocol import messages, timing
+from protocol import curve, messages, timing
 from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from protocol.payloads import PoolStatus
@@ -64,23 +64,33 @@ class Broker:
         self._worker_sock: zmq.Socket | None = None
         self._sd = notifier or SilentNotifier()
         self.security = BrokerSecurity(
-            settings.curve_secret_key, settings.curve_authorized_dir,
-            settings.insecure_plaintext,
-            on_refused=lambda: self.counters.update(("curve_refused",)),
+            settings.curve_secret_key, settings.curve_authorized_workers,
+            settings.curve_authorized_frontends, settings.insecure_plaintext,
+            on_refused=self._count_refusal,
         )
+        #: Each role's authorized keys, re-read once per heartbeat; None in
+        #: plaintext. Every message's CURVE key is checked against it.
+        self._allowed_keys: dict[str, frozenset[bytes]] | None = None
         if self.security.enabled:
-            # Created here so the ZAP thread only ever increments it.
-            self.counters["curve_refused"] = 0
+            # Created here so the ZAP thread only ever increments them.
+            for name in ("curve_refused", *(f"curve_refused_{role}" for role in
+                                            (curve.WORKERS, curve.FRONTENDS))):
+                self.counters[name] = 0
+
+    def _count_refusal(self, role: str) -> None:
+        """Called from the ZAP thread for each refused handshake."""
+        self.counters["curve_refused"] += 1
+        self.counters[f"curve_refused_{role}"] += 1
 
     # --- sockets ---------------------------------------------------------------
 
-    def _router(self, endpoint: str) -> zmq.Socket:
+    def _router(self, endpoint: str, role: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
-        self.security.configure(sock)
+        self.security.configure(sock, role)
         sock.bind(endpoint)
         return sock
 
@@ -89,8 +99,11 @@ class Broker:
             (self.settings.frontends_endpoint, self.settings.workers_endpoint)
         )
         self.security.start(self.ctx)
-        self._frontend_sock = self._router(self.settings.frontends_endpoint)
-        self._worker_sock = self._router(self.settings.workers_endpoint)
+        self._allowed_keys = self.security.current_keys()
+        self._frontend_sock = self._router(self.settings.frontends_endpoint,
+                                           curve.FRONTENDS)
+        self._worker_sock = self._router(self.settings.workers_endpoint,
+                                         curve.WORKERS)
         log.info(
             "broker listening: frontends=%s workers=%s",
             self.settings.frontends_endpoint,
@@ -147,9 +160,11 @@ class Broker:
                 timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
                 ready = dict(poller.poll(min(timeout_ms, interval_s * 1000)))
                 if self._worker_sock in ready:
-                    self._drain(self._worker_sock, self._on_worker_frames)
+                    self._drain(self._worker_sock, curve.WORKERS,
+                                self._on_worker_frames)
                 if self._frontend_sock in ready:
-                    self._drain(self._frontend_sock, self._on_frontend_frames)
+                    self._drain(self._frontend_sock, curve.FRONTENDS,
+                                self._on_frontend_frames)
                 now = time.monotonic()
                 if now >= next_beat:
                     self._heartbeat_and_expire(now)
@@ -160,12 +175,17 @@ class Broker:
             self.close()
             log.info("broker stopped")
 
-    def _drain(self, sock: zmq.Socket, handle) -> None:
+    def _drain(self, sock: zmq.Socket, role: str, handle) -> None:
         for _ in range(_BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                if self._allowed_keys is None:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                else:
+                    frames = self._recv_authorized(sock, role)
             except zmq.Again:
                 return
+            if frames is None:
+                continue
             if len(frames) < 2:
                 self._malformed(b"?", "no routing identity")
                 continue
@@ -176,6 +196,47 @@ class Broker:
                 self._malformed(identity, str(exc))
                 continue
             handle(identity, msg, body)
+
+    def _recv_authorized(self, sock: zmq.Socket, role: str) -> list[bytes] | None:
+        """One message, or None if its sender's key is no longer authorized.
+
+        ZAP checked the key once, at the handshake; the key may have been
+        removed or overwritten since. libzmq stamps every message with the
+        key ZAP accepted (its ``User-Id`` property), so the check is a set
+        lookup. Raises ``zmq.Again`` when nothing is waiting.
+        """
+        first = sock.recv(zmq.NOBLOCK, copy=False)
+        frames = [first.bytes]
+        if first.more:
+            frames += sock.recv_multipart()
+        try:
+            key = first.get("User-Id").encode()
+        except zmq.ZMQError:
+            key = b""  # no key on record: not one we authorized
+        if key in self._allowed_keys[role]:
+            return frames
+        self._revoked(role, frames[0], key)
+        return None
+
+    def _revoked(self, role: str, ident: bytes, key: bytes) -> None:
+        """Drop a peer whose key was revoked after its handshake.
+
+        It leaves the ledger (a worker's job fails, a frontend's jobs are
+        cancelled) and hears nothing more from us: its link redials after
+        its silence window, and ZAP refuses the new handshake.
+        """
+        self.counters["curve_revoked_dropped"] += 1
+        now = time.monotonic()
+        if role == curve.WORKERS and ident in self.ledger.workers:
+            self.counters["curve_revoked_peers"] += 1
+            log.warning("CURVE key %s revoked: dropping its worker",
+                        key.decode(errors="replace"))
+            self._worker_died(ident, "CURVE key revoked")
+        elif role == curve.FRONTENDS and ident in self.ledger.frontends:
+            self.counters["curve_revoked_peers"] += 1
+            log.warning("CURVE key %s revoked: dropping its frontend",
+                        key.decode(errors="replace"))
+            self._frontend_gone(ident, now)
 
     def _malformed(self, identity: bytes, why: str) -> None:
         self.counters["malformed_dropped"] += 1
@@ -357,16 +418,22 @@ class Broker:
 
     # --- liveness ----------------------------------------------------------------
 
+    def _frontend_gone(self, ident: bytes, now: float) -> None:
+        """Forget a frontend and cancel the jobs it held."""
+        for job in self.ledger.remove_frontend(ident):
+            if self.ledger.request_cancel(job.job_id, now) is not None:
+                self._to_worker(job.worker, messages.Cancel(job.job_id))
+
     def _heartbeat_and_expire(self, now: float) -> None:
+        if self._allowed_keys is not None:
+            self._allowed_keys = self.security.current_keys()
         dead_workers, dead_frontends = self.ledger.expired(now)
         for ident in dead_workers:
             self._worker_died(ident, "heartbeat timeout")
         for ident in dead_frontends:
             self.counters["frontend_deaths"] += 1
             log.warning("frontend lost (heartbeat timeout): %s", ident.hex())
-            for job in self.ledger.remove_frontend(ident):
-                if self.ledger.request_cancel(job.job_id, now) is not None:
-                    self._to_worker(job.worker, messages.Cancel(job.job_id))
+            self._frontend_gone(ident, now)
         if self.metrics is not None:
             self.metrics.publish(self.snapshot(now))
         beat = messages.Heartbeat().to_wire()

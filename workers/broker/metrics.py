@@ -77,6 +77,10 @@ class PoolCollector:
         yield counter("llamapool_broker_curve_refused_total",
                       "Peers refused at the CURVE handshake (key not authorized)",
                       counters.get("curve_refused", 0))
+        yield counter("llamapool_broker_curve_revoked_peers_total",
+                      "Open connections dropped because their CURVE key was "
+                      "revoked after the handshake",
+                      counters.get("curve_revoked_peers", 0))
         release = stats.cancel_release_s
         buckets = [(str(b), c) for b, c in zip(release.buckets, release.cumulative)]
         buckets.append(("+Inf", release.cumulative[-1]))
