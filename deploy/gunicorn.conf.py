@@ -13,8 +13,12 @@ bind = os.environ.get("LLAMAPOOL_BIND", "127.0.0.1:8080")
 
 # gthread: one thread per in-flight request. A streamed response holds its
 # thread for as long as the client reads, so threads bound the number of
-# concurrent streams per process.
-worker_class = "gthread"
+# concurrent streams per process. Our subclass gives a thread only to a
+# request whose head and body have arrived (read in the event loop, with
+# LLAMAPOOL_HEADER_TIMEOUT_S / LLAMAPOOL_BODY_TIMEOUT_S), and ends a write the
+# client does not take within LLAMAPOOL_SEND_TIMEOUT_S: slow clients hold no
+# threads (llamapool/http_worker.py).
+worker_class = "llamapool.http_worker.FullRequestThreadWorker"
 workers = int(os.environ.get("LLAMAPOOL_FRONTEND_PROCESSES", "2"))
 threads = int(os.environ.get("LLAMAPOOL_FRONTEND_THREADS", "64"))
 preload_app = False
@@ -24,6 +28,11 @@ preload_app = False
 timeout = 60
 graceful_timeout = int(os.environ.get("LLAMAPOOL_GRACEFUL_TIMEOUT_S", "20"))
 keepalive = 5
+# Connections per process, of every kind: arriving requests (at most
+# LLAMAPOOL_MAX_PENDING_CONNS, the oldest closed beyond), requests in threads
+# and idle kept-alive ones. At this many the process stops accepting; the
+# worker raises its open-files limit to fit (up to the hard limit).
+worker_connections = int(os.environ.get("LLAMAPOOL_WORKER_CONNECTIONS", "4096"))
 
 # Request logs come from the app (one structured line each); gunicorn's own
 # error log goes to stderr.

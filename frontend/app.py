@@ -243,6 +243,8 @@ class LlamapoolApp(falcon.App):
 
     link: BrokerLink
     gate: PromptGate | None
+    #: Read by the gunicorn worker too (``llamapool.http_worker``).
+    settings: FrontendSettings
 
     def warm_up(self) -> None:
         """Connect to the broker and load the tokenizer before the first
@@ -290,4 +292,5 @@ def create_app(
     app.add_route("/metrics", MetricsResource(link, settings))
     app.link = link
     app.gate = gate
+    app.settings = settings
     return app

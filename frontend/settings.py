@@ -22,6 +22,10 @@ Every default is documented in this one place.
 | LLAMAPOOL_CHAT_FORMAT          | (template)     | same as the workers' format   |
 | LLAMAPOOL_CTX                  | 2048           | workers' context size         |
 | LLAMAPOOL_STREAM_SNDBUF_BYTES  | 65536          | kernel buffer per SSE stream  |
+| LLAMAPOOL_HEADER_TIMEOUT_S     | 10.0           | request head must arrive by   |
+| LLAMAPOOL_BODY_TIMEOUT_S       | 30.0           | then the body must arrive by  |
+| LLAMAPOOL_SEND_TIMEOUT_S       | 30.0           | client reads nothing: closed  |
+| LLAMAPOOL_MAX_PENDING_CONNS    | 1000           | arriving requests per process |
 | LLAMAPOOL_CURVE_SERVER_KEY     | (none)         | broker's public .key (CURVE)  |
 | LLAMAPOOL_CURVE_SECRET_KEY     | (none)         | own .key_secret (CURVE)       |
 """
@@ -86,11 +90,33 @@ class FrontendSettings:
     n_ctx: int = setting(defaults.N_CTX, "LLAMAPOOL_CTX", "workers' context size")
     stream_sndbuf_bytes: int = setting(
         65536, "LLAMAPOOL_STREAM_SNDBUF_BYTES", "kernel buffer per SSE stream")
+    #: Deadlines on the client's side of a request (``llamapool.http_worker``):
+    #: a request's head and then its body must arrive in time, or the
+    #: connection gets 408; it holds no thread meanwhile, and at most
+    #: ``max_pending_connections`` per process may be arriving (the oldest
+    #: is closed beyond). A response write the client does not take for
+    #: ``send_timeout_s`` ends the response (a stream's job is cancelled).
+    header_timeout_s: float = setting(
+        10.0, "LLAMAPOOL_HEADER_TIMEOUT_S", "request head must arrive by")
+    body_timeout_s: float = setting(
+        30.0, "LLAMAPOOL_BODY_TIMEOUT_S", "then the body must arrive by")
+    send_timeout_s: float = setting(
+        30.0, "LLAMAPOOL_SEND_TIMEOUT_S", "client reads nothing: closed")
+    max_pending_connections: int = setting(
+        1000, "LLAMAPOOL_MAX_PENDING_CONNS", "arriving requests per process")
     #: CURVE key files for the broker link (``protocol.curve``); empty: plaintext.
     curve_server_key: str = setting(
         "", "LLAMAPOOL_CURVE_SERVER_KEY", "broker's public .key (CURVE)")
     curve_secret_key: str = setting(
         "", "LLAMAPOOL_CURVE_SECRET_KEY", "own .key_secret (CURVE)")
+
+    def __post_init__(self) -> None:
+        # Zero would make sockets non-blocking or close every connection.
+        for name in ("header_timeout_s", "body_timeout_s", "send_timeout_s",
+                     "max_pending_connections"):
+            if not getattr(self, name) > 0:
+                env = self.__dataclass_fields__[name].metadata["env"]
+                raise ConfigError(f"{env} must be above 0, not {getattr(self, name)}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FrontendSettings:
