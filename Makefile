@@ -36,7 +36,7 @@ faults: $(STAMP_TEST)
 # printing a markdown table. `make bench-broker BENCH_ARGS=--quick` for a
 # short smoke run.
 .PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop \
-	bench-curve-roles
+	bench-curve-roles bench-slow-clients
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -56,6 +56,9 @@ bench-generate-loop: $(STAMP_TEST)
 # The CURVE role attacks against this checkout (before/after table).
 bench-curve-roles: $(STAMP_TEST)
 	$(PY) -m tests.bench.curve_roles_attacks $(BENCH_ARGS)
+
+bench-slow-clients: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_slow_clients $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -6,7 +6,7 @@ holds a thread for as long as it likes, and ~64 such clients (slowloris) took
 the whole frontend down. A thread was also held for as long as a client that
 stopped reading kept its connection open, blocked writing a streamed body.
 
-``FullRequestThreadWorker`` changes two things and keeps the rest of gthread
+``FullRequestThreadWorker`` changes three things and keeps the rest of gthread
 (keep-alive, graceful shutdown, error answers, the thread pool):
 
 * **Requests are read in the event loop, non-blockingly, with deadlines.**
@@ -24,6 +24,9 @@ stopped reading kept its connection open, blocked writing a streamed body.
   write to a client that does not read raises ``TimeoutError``, gunicorn
   closes the response body (the lease ends as DISCONNECT and CANCEL frees the
   slot), and the connection is closed without lingering.
+* **A graceful close lingers in the event loop.** gthread waited up to 2 s
+  for the client's FIN on its main thread, so each client that kept a
+  closed connection open froze the whole process for 2 s.
 
 TLS, HTTP/2 and the PROXY protocol are left to plain gthread (the event loop
 would see encrypted or binary bytes): terminate them at the load balancer.
@@ -34,7 +37,9 @@ from __future__ import annotations
 import errno
 import resource
 import selectors
+import socket
 import time
+from collections.abc import Callable
 from functools import partial
 
 from gunicorn import http, util
@@ -61,26 +66,39 @@ CONTINUE_RESPONSE = b"HTTP/1.1 100 Continue\r\n\r\n"
 SWEEP_INTERVAL_S = 0.25
 #: After SIGTERM, requests still arriving get this long before they are closed.
 STOP_LINGER_S = 2.0
+#: How long a closing connection waits for the client's FIN (as gunicorn's
+#: ``util.close_graceful``), so the kernel does not reset it while the last
+#: response is still on its way.
+CLOSE_LINGER_S = 2.0
 #: File descriptors the process needs besides its connections.
 SPARE_FDS = 256
 
 
 class TimedConn(TConn):
-    """A connection whose socket times out in its thread (reads and writes)."""
+    """A connection whose socket times out in its thread (reads and writes),
+    and whose graceful close never blocks the event loop."""
 
-    def __init__(self, cfg, sock, client, server, send_timeout_s: float) -> None:
+    def __init__(self, cfg, sock, client, server, send_timeout_s: float,
+                 linger: Callable[[socket.socket], None]) -> None:
         super().__init__(cfg, sock, client, server)
         self.send_timeout_s = send_timeout_s
         self.timed_out = False
+        self._linger = linger
 
     def init(self) -> None:
         super().init()  # runs at every request; leaves the socket blocking
         self.sock.settimeout(self.send_timeout_s)
 
     def close(self, graceful: bool = False) -> None:
-        # A client that stopped reading would not read a graceful close
-        # either; lingering for it would block the event loop.
-        super().close(graceful and not self.timed_out)
+        # gthread closes gracefully from its event loop, waiting up to 2 s
+        # for the client to close too (util.close_graceful): a client that
+        # never does froze the whole process that long. The loop lingers
+        # without blocking instead. A client that stopped reading gets no
+        # graceful close at all.
+        if graceful and not self.timed_out:
+            self._linger(self.sock)
+        else:
+            super().close()
 
 
 class ArrivingRequest:
@@ -102,6 +120,8 @@ class FullRequestThreadWorker(ThreadWorker):
         super().__init__(*args, **kwargs)
         #: Insertion order is age: the first entry is the oldest.
         self.arriving: dict[TimedConn, ArrivingRequest] = {}
+        #: Sockets half-closed by us, waiting for the client's FIN: deadline.
+        self.lingering: dict[socket.socket, float] = {}
         self._next_sweep = 0.0
         self._stop_by: float | None = None
 
@@ -149,7 +169,7 @@ class FullRequestThreadWorker(ThreadWorker):
             return
         self.nr_conns += 1
         conn = TimedConn(self.cfg, client_sock, client_addr,
-                         listener.getsockname(), self.send_timeout_s)
+                         listener.getsockname(), self.send_timeout_s, self._linger)
         self.enqueue_req(conn)
 
     def enqueue_req(self, conn) -> None:
@@ -232,6 +252,38 @@ class FullRequestThreadWorker(ThreadWorker):
             if deadline <= now:
                 self._close_arriving(conn, REQUEST_TIMEOUT_RESPONSE
                                      if arriving.buf else None)
+        for sock, deadline in list(self.lingering.items()):
+            if deadline <= now:
+                self._close_lingering(sock)
+
+    def _linger(self, sock: socket.socket) -> None:
+        """Send FIN, then close once the client has closed too (or in 2 s)."""
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            sock.setblocking(False)
+            self.poller.register(sock, selectors.EVENT_READ, self._on_lingering)
+        except (OSError, ValueError):
+            util.close(sock)
+            return
+        self.lingering[sock] = time.monotonic() + CLOSE_LINGER_S
+
+    def _on_lingering(self, sock: socket.socket) -> None:
+        try:
+            if sock.recv(65536):
+                return  # discarded; the deadline bounds how long this goes on
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            pass
+        self._close_lingering(sock)
+
+    def _close_lingering(self, sock: socket.socket) -> None:
+        del self.lingering[sock]
+        try:
+            self.poller.unregister(sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        util.close(sock)
 
     def _close_oldest_arriving(self) -> None:
         if self.arriving:

@@ -128,7 +128,8 @@ class RequestFraming:
             data_at = line_end + 2
             if size == 0:
                 return self._trailers_progress(buf, data_at)
-            if self._decoded + len(buf) - data_at > self.max_body_bytes:
+            held = min(size, len(buf) - data_at)  # this chunk's data so far
+            if self._decoded + held > self.max_body_bytes:
                 return Progress.READY  # over the limit: the app answers 413
             if len(buf) < data_at + size + 2:
                 return Progress.BODY

@@ -186,6 +186,33 @@ def test_arriving_requests_are_capped_per_process(tiny_model, tmp_path):
         pool.stop()
 
 
+def test_clients_that_never_close_do_not_freeze_the_server(deadline_pool):
+    """60 clients send a whole request with "Connection: close", read the
+    answer, and never close their end. gthread used to wait up to 2 s for
+    each one's FIN on its event loop; now real requests do not notice."""
+    pool = deadline_pool
+    legit = legit_requests(pool.url)["/health"]
+    legit()
+    baseline = timed(legit)
+    lingerers = []
+    try:
+        for _ in range(60):
+            s = socket.create_connection(("127.0.0.1", pool.port), timeout=10)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            lingerers.append(s)
+        under_load = timed(legit)
+        for s in lingerers:  # every one was answered, and half-closed by us
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 200 OK")
+    finally:
+        for s in lingerers:
+            s.close()
+    print(f"\n/health p50 {baseline:.3f} s, with 60 lingering: {under_load:.3f} s")
+    assert under_load <= max(2 * baseline, baseline + 1.0)
+
+
 class NeverReads:
     """A streamed completion whose client reads nothing, with a tiny window."""
 
