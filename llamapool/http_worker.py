@@ -64,6 +64,8 @@ CONTINUE_RESPONSE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 #: How often the event loop looks for requests past their deadline.
 SWEEP_INTERVAL_S = 0.25
+#: The cap being hit is logged at most this often (it comes in floods).
+EVICT_WARNING_INTERVAL_S = 10.0
 #: After SIGTERM, requests still arriving get this long before they are closed.
 STOP_LINGER_S = 2.0
 #: How long a closing connection waits for the client's FIN (as gunicorn's
@@ -123,6 +125,8 @@ class FullRequestThreadWorker(ThreadWorker):
         #: Sockets half-closed by us, waiting for the client's FIN: deadline.
         self.lingering: dict[socket.socket, float] = {}
         self._next_sweep = 0.0
+        self._evicted = 0
+        self._next_evict_warning = 0.0
         self._stop_by: float | None = None
 
     def run(self) -> None:
@@ -180,6 +184,12 @@ class FullRequestThreadWorker(ThreadWorker):
             return
         if len(self.arriving) >= self.max_pending:
             self._close_oldest_arriving()
+            self._evicted += 1
+            if time.monotonic() >= self._next_evict_warning:
+                self._next_evict_warning = time.monotonic() + EVICT_WARNING_INTERVAL_S
+                self.log.warning("%d requests arriving at once "
+                                 "(LLAMAPOOL_MAX_PENDING_CONNS): the oldest are "
+                                 "closed, %d so far", self.max_pending, self._evicted)
         # Bytes a keep-alive connection already sent (pipelined) come first.
         held = conn.parser.unreader.take_buffered() if conn.parser else b""
         conn.sock.setblocking(False)

@@ -181,6 +181,8 @@ def test_arriving_requests_are_capped_per_process(tiny_model, tmp_path):
         ended = slow.wait_all_closed(timeout_s=10)  # far less than 60 s
         assert ended["closed"] == 250 and ended["still_open"] == 50, ended
         assert httpx.get(pool.url + "/health", timeout=10).status_code == 200
+        assert "(LLAMAPOOL_MAX_PENDING_CONNS): the oldest are closed" in \
+            pool.frontend.log()
     finally:
         slow.close()
         pool.stop()
