@@ -150,8 +150,11 @@ class FullRequestThreadWorker(ThreadWorker):
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY and soft < wanted:
             new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-            soft = new
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+                soft = new
+            except (OSError, ValueError):
+                pass  # a sandbox forbids it: the warning below says so
         if soft != resource.RLIM_INFINITY and soft < wanted:
             self.log.warning("open files limit %d is below the %d connections "
                              "gunicorn may hold (worker_connections); raise it "
