@@ -64,8 +64,9 @@ CONTINUE_RESPONSE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 #: How often the event loop looks for requests past their deadline.
 SWEEP_INTERVAL_S = 0.25
-#: The cap being hit is logged at most this often (it comes in floods).
-EVICT_WARNING_INTERVAL_S = 10.0
+#: Warnings that come in floods (the cap, no descriptors) are logged at most
+#: this often.
+WARNING_INTERVAL_S = 10.0
 #: After SIGTERM, requests still arriving get this long before they are closed.
 STOP_LINGER_S = 2.0
 #: How long a closing connection waits for the client's FIN (as gunicorn's
@@ -126,7 +127,7 @@ class FullRequestThreadWorker(ThreadWorker):
         self.lingering: dict[socket.socket, float] = {}
         self._next_sweep = 0.0
         self._evicted = 0
-        self._next_evict_warning = 0.0
+        self._quiet_until: dict[str, float] = {}
         self._stop_by: float | None = None
 
     def run(self) -> None:
@@ -168,8 +169,9 @@ class FullRequestThreadWorker(ThreadWorker):
         except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE):
                 # Out of descriptors: free one rather than die in the loop.
-                self.log.warning("out of file descriptors; closing the oldest "
-                                 "arriving request")
+                self._warn_now_and_then("out of file descriptors (open files "
+                                        "limit); closing the oldest arriving "
+                                        "request")
                 self._close_oldest_arriving()
             elif e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
                 raise
@@ -188,11 +190,9 @@ class FullRequestThreadWorker(ThreadWorker):
         if len(self.arriving) >= self.max_pending:
             self._close_oldest_arriving()
             self._evicted += 1
-            if time.monotonic() >= self._next_evict_warning:
-                self._next_evict_warning = time.monotonic() + EVICT_WARNING_INTERVAL_S
-                self.log.warning("%d requests arriving at once "
-                                 "(LLAMAPOOL_MAX_PENDING_CONNS): the oldest are "
-                                 "closed, %d so far", self.max_pending, self._evicted)
+            self._warn_now_and_then(
+                "%d requests arriving at once (LLAMAPOOL_MAX_PENDING_CONNS): the "
+                "oldest are closed, %d so far", self.max_pending, self._evicted)
         # Bytes a keep-alive connection already sent (pipelined) come first.
         held = conn.parser.unreader.take_buffered() if conn.parser else b""
         conn.sock.setblocking(False)
@@ -312,6 +312,12 @@ class FullRequestThreadWorker(ThreadWorker):
             self._send_now(conn, answer)
         self.nr_conns -= 1
         util.close(conn.sock)
+
+    def _warn_now_and_then(self, message: str, *args) -> None:
+        now = time.monotonic()
+        if now >= self._quiet_until.get(message, 0.0):
+            self._quiet_until[message] = now + WARNING_INTERVAL_S
+            self.log.warning(message, *args)
 
     @staticmethod
     def _send_now(conn: TimedConn, data: bytes) -> None:
