@@ -27,9 +27,14 @@ from protocol.payloads import (
     PoolTotals,
     Sampling,
     SlotStatus,
+    Timings,
+    Usage,
 )
 from tests.pool import BrokerProbe, Proc, cli, wait_until
 from workers.model.worker import ActiveJob, WorkerSettings
+
+#: usage and timings of a FINAL that says nothing was used.
+NOTHING_USED = (Usage(0, 0, 0), Timings(0, 0.0, 0, 0.0))
 
 H = messages.PROTOCOL_HEADER
 
@@ -323,7 +328,7 @@ def test_a_heartbeat_with_strings_for_numbers_is_dropped_and_the_broker_serves_o
         frontend.send(submit_frames("third"))
         assert frontend.expect(messages.NoSlot).retry_after_s == 5.0
 
-        worker.send(messages.Final(job_id, "stop", {}, {}).to_wire())
+        worker.send(messages.Final(job_id, "stop", *NOTHING_USED).to_wire())
         assert frontend.expect(messages.Final).job_id == job_id
         wait_until(lambda: status().get("slots_free") == 1, 10,
                    "the slot to be free again")

@@ -147,9 +147,11 @@ class Broker:
                 timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
                 ready = dict(poller.poll(min(timeout_ms, interval_s * 1000)))
                 if self._worker_sock in ready:
-                    self._drain(self._worker_sock, self._on_worker_frames)
+                    self._drain(self._worker_sock, self._on_worker_frames,
+                                self._on_malformed_from_worker)
                 if self._frontend_sock in ready:
-                    self._drain(self._frontend_sock, self._on_frontend_frames)
+                    self._drain(self._frontend_sock, self._on_frontend_frames,
+                                self._malformed)
                 now = time.monotonic()
                 if now >= next_beat:
                     self._heartbeat_and_expire(now)
@@ -160,7 +162,7 @@ class Broker:
             self.close()
             log.info("broker stopped")
 
-    def _drain(self, sock: zmq.Socket, handle) -> None:
+    def _drain(self, sock: zmq.Socket, handle, malformed) -> None:
         for _ in range(_BATCH):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -173,11 +175,11 @@ class Broker:
             try:
                 msg = messages.decode(body)
             except messages.MalformedMessage as exc:
-                self._malformed(identity, str(exc))
+                malformed(identity, str(exc), body)
                 continue
             handle(identity, msg, body)
 
-    def _malformed(self, identity: bytes, why: str) -> None:
+    def _malformed(self, identity: bytes, why: str, frames=None) -> None:
         self.counters["malformed_dropped"] += 1
         # Rate-limit the log: a garbage flood must not become a log flood.
         n = self.counters["malformed_dropped"]
@@ -185,6 +187,35 @@ class Broker:
             log.warning(
                 "dropped malformed message #%d from %s: %s", n, identity.hex(), why
             )
+
+    def _on_malformed_from_worker(self, identity: bytes, why: str,
+                                  frames: list[bytes]) -> None:
+        """Drop and count, as from any peer; and if a registered worker's
+        broken frame was a job frame while it holds a job, that job can no
+        longer end well: its output or its terminal frame is lost.
+
+        The job fails at once with ``worker_protocol_error`` (the client gets
+        a clean 502 or error event, and the lease its terminal frame), and
+        the worker is forgotten and told DISCONNECT: a worker that breaks the
+        protocol mid-job is not trusted with the next one until it registers
+        again (a sound worker does, with READY, once its job is over).
+        A broken heartbeat is only dropped: it loses nothing.
+        """
+        self._malformed(identity, why)
+        slot = self.ledger.workers.get(identity)
+        if (slot is None or slot.job_id is None
+                or messages.command_class(frames) not in messages.JOB_FRAMES):
+            return
+        self.counters["worker_protocol_errors"] += 1
+        log.warning("worker sent a malformed job frame mid-job: slot=%d pid=%d: "
+                    "%s; failing its job and disconnecting it",
+                    slot.slot_id, slot.info.pid, why)
+        job = self.ledger.remove_worker(identity)
+        if job is not None:
+            self.stats.job_lost()
+            self._fail_job(job, ErrorCode.WORKER_PROTOCOL_ERROR,
+                           "the model worker sent a malformed frame")
+        self._to_worker(identity, messages.Disconnect("malformed job frame"))
 
     # --- frontend side -----------------------------------------------------------
 
