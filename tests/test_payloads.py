@@ -324,9 +324,10 @@ def test_a_heartbeat_with_strings_for_numbers_is_dropped_and_the_broker_serves_o
             lambda: (s := status()) and s["slots"][0]["progress"] and s,
             10, "the good heartbeat to reach the ledger")
         assert snap["slots"][0]["progress"]["n_generated"] == 10
-        assert snap["retry_after_s"] == 5.0
+        # The estimate counts down from the heartbeat (rounded up).
+        assert snap["retry_after_s"] in (4.0, 5.0)
         frontend.send(submit_frames("third"))
-        assert frontend.expect(messages.NoSlot).retry_after_s == 5.0
+        assert frontend.expect(messages.NoSlot).retry_after_s in (4.0, 5.0)
 
         worker.send(messages.Final(job_id, "stop", *NOTHING_USED).to_wire())
         assert frontend.expect(messages.Final).job_id == job_id

@@ -274,7 +274,7 @@ class Broker:
         if slot is None:
             self.counters["no_slot"] += 1
             self._to_frontend(
-                ident, messages.NoSlot(msg.job_id, self.ledger.retry_after_s())
+                ident, messages.NoSlot(msg.job_id, self.ledger.retry_after_s(now))
             )
             return
         if not self._to_worker(slot.identity, raw):
@@ -333,7 +333,7 @@ class Broker:
             progress = msg.progress
             if progress is not None and slot.job_id and (
                     progress.job_id == slot.job_id):
-                slot.progress = progress
+                self.ledger.record_progress(slot, progress, now)
         elif isinstance(msg, messages.Disconnect):
             # The worker is shutting down: no new jobs. Its current job (if
             # any) still ends with a terminal frame, which frees the slot.
