@@ -35,7 +35,8 @@ faults: $(STAMP_TEST)
 # Benchmarks: scripts in tests/bench/ (pytest never collects them), each
 # printing a markdown table. `make bench-broker BENCH_ARGS=--quick` for a
 # short smoke run.
-.PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop
+.PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop \
+	bench-rogue-final bench-prompt-size bench-retry-after
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -51,6 +52,15 @@ bench-memory: $(STAMP_TEST)
 
 bench-generate-loop: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_generate_loop $(BENCH_ARGS)
+
+bench-rogue-final: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_rogue_final $(BENCH_ARGS)
+
+bench-prompt-size: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_prompt_size $(BENCH_ARGS)
+
+bench-retry-after: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_retry_after $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
