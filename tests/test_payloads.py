@@ -178,6 +178,36 @@ def test_malformed_snapshot_is_rejected():
         decode_body(messages.StatusReply, body)
 
 
+FINAL_BODY = ["j", "stop", [3, 2, 5, 1], [2, 1.5, 2, 3.0, 666.7], "!"]
+
+
+@pytest.mark.parametrize("at,value,why", [
+    (1, "exploded", r"Final\.finish_reason"),
+    (2, {"prompt_tokens": 3}, r"Final\.usage: body is not an array"),
+    (2, [3, "2", 5], r"Final\.usage\.completion_tokens: str"),
+    (2, [3, 2.0, 5], r"Final\.usage\.completion_tokens: float"),
+    (2, [-3, 2, 5], r"Final\.usage\.prompt_tokens: -3 is out of range"),
+    (2, [3, 2**64 - 1, 5], r"Final\.usage\.completion_tokens: \d+ is out of range"),
+    (2, [3, 2], r"Final\.usage: 2 fields, need 3"),
+    (3, [2, float("nan"), 2, 3.0], r"Final\.timings\.prompt_ms: nan is not"),
+    (3, [2, 1.5, 2, 3.0, float("inf")], r"predicted_per_second: inf is not"),
+    (3, [2, 1.5, 2, -0.5], r"Final\.timings\.predicted_ms: -0\.5 is not"),
+    (3, [2, b"\x00", 2, 3.0], r"Final\.timings\.prompt_ms: bytes"),
+])
+def test_a_malformed_final_is_rejected_naming_the_field(at, value, why):
+    body = list(FINAL_BODY)
+    body[at] = value
+    with pytest.raises(messages.MalformedMessage, match=why):
+        decode_body(messages.Final, body)
+
+
+def test_a_final_takes_ints_as_times_and_defaults_the_optional_fields():
+    msg = decode_body(messages.Final, ["j", "length", [3, 2, 5], [2, 1, 2, 3]])
+    assert msg.usage == Usage(3, 2, 5, cached_tokens=0)
+    assert msg.timings == Timings(2, 1.0, 2, 3.0, predicted_per_second=0.0)
+    assert isinstance(msg.timings.prompt_ms, float)
+
+
 msgpack_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats()
     | st.text(max_size=8),
@@ -187,7 +217,8 @@ msgpack_values = st.recursive(
 )
 
 
-@given(st.sampled_from([messages.Submit, messages.Heartbeat, messages.StatusReply]),
+@given(st.sampled_from([messages.Submit, messages.Heartbeat, messages.StatusReply,
+                        messages.Final]),
        st.lists(msgpack_values, max_size=4))
 def test_random_nested_bodies_never_raise_anything_else(cls, body):
     try:
