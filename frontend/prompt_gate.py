@@ -43,8 +43,7 @@ class PromptGate:
     def check(self, generation: GenerationRequest) -> GenerationRequest:
         """The request with ``prompt_tokens`` (and the chat format's stop
         strings) attached; raise 400 if the prompt cannot fit."""
-        from workers.model.prompting import PromptError
-        from workers.model.tokenizing import PromptTooLong
+        from workers.model.prompting import PromptError, PromptTooLong
 
         try:
             # Refused by its size before tokenising, or as soon as the

@@ -18,7 +18,12 @@ import llama_cpp
 from llama_cpp import llama_chat_format
 
 from protocol.payloads import CHAT, GenerationRequest
-from workers.model.tokenizing import BoundedTokenizer
+from workers.model.tokenizing import BoundedTokenizer, PromptTooLong, TokenizeCancelled
+
+# The tokenising errors are raised through ``PromptBuilder.tokens``; callers
+# (the frontend's gate too) import them from here.
+__all__ = ["PromptBuilder", "PromptError", "PromptTooLong", "TokenizeCancelled",
+           "TEMPLATE_CHAT_FORMAT"]
 
 #: Name of the chat format that means "the Jinja template in the GGUF".
 TEMPLATE_CHAT_FORMAT = "template"
