@@ -36,7 +36,8 @@ faults: $(STAMP_TEST)
 # printing a markdown table. `make bench-broker BENCH_ARGS=--quick` for a
 # short smoke run.
 .PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop \
-	bench-curve-roles bench-slow-clients
+	bench-curve-roles bench-slow-clients bench-rogue-final bench-prompt-size \
+	bench-retry-after
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -59,6 +60,15 @@ bench-curve-roles: $(STAMP_TEST)
 
 bench-slow-clients: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_slow_clients $(BENCH_ARGS)
+
+bench-rogue-final: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_rogue_final $(BENCH_ARGS)
+
+bench-prompt-size: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_prompt_size $(BENCH_ARGS)
+
+bench-retry-after: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_retry_after $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -233,6 +233,9 @@ def public_slot(slot: SlotStatus) -> dict:
         "n_decoded": progress.n_generated,
         "tokens_per_second": progress.tokens_per_s,
         "kv_cache_tokens": progress.n_ctx_used,
+        # Paused because the client is not reading: the stall timeout ends
+        # the job in this many seconds unless it reads again (None: not paused).
+        "pause_ends_in_s": progress.pause_ends_in_s,
         "lease_taken_at": slot.lease_taken_at,
         "jobs_served": slot.jobs_served,
     }

@@ -54,6 +54,7 @@ HTTP_FORMS: dict[ErrorCode, HttpForm] = {
     ErrorCode.ENGINE_ERROR: HttpForm(500, SERVER_ERROR),
     ErrorCode.WORKER_DIED: HttpForm(502, SERVER_ERROR),
     ErrorCode.WORKER_RESTARTED: HttpForm(502, SERVER_ERROR),
+    ErrorCode.WORKER_PROTOCOL_ERROR: HttpForm(502, SERVER_ERROR),
     ErrorCode.TIMEOUT: HttpForm(504, SERVER_ERROR),
     ErrorCode.WORKER_SHUTDOWN: HttpForm(503, UNAVAILABLE),
     ErrorCode.WORKER_BUSY: HttpForm(503, UNAVAILABLE),

@@ -26,6 +26,7 @@ from frontend.broker_link import JobStream
 from frontend.lease import LeaseEnding, SlotLease
 from protocol import messages
 from protocol.errors import ErrorCode
+from protocol.payloads import Timings, Usage
 
 #: What the client reads when the worker sends nothing for the frame timeout.
 TIMEOUT_MESSAGE = "no output from the worker in time"
@@ -44,8 +45,9 @@ class JobOutcome:
         self.inter_token_s: list[float] = []
         self.finish_reason: str | None = None
         self.error_code: str | None = None
-        self.usage: dict = {}
-        self.timings: dict = {}
+        #: From the FINAL frame; None if the job did not end with one.
+        self.usage: Usage | None = None
+        self.timings: Timings | None = None
 
     def saw_token(self) -> None:
         now = time.monotonic()

@@ -6,6 +6,7 @@ import json
 import time
 
 from frontend.errors import http_form
+from protocol.payloads import Timings, Usage
 
 
 def _dumps(obj: dict) -> str:
@@ -63,11 +64,12 @@ class ResponseShaper:
     def text_event(self, text: str) -> bytes:
         return self._chunk([self._choice(text, None)])
 
-    def final_events(self, text: str, finish_reason: str, usage: dict,
-                     timings: dict) -> bytes:
-        out = self._chunk([self._choice(text, finish_reason)], timings=timings)
+    def final_events(self, text: str, finish_reason: str, usage: Usage,
+                     timings: Timings) -> bytes:
+        out = self._chunk([self._choice(text, finish_reason)],
+                          timings=timings.public())
         if self.include_usage:
-            out += self._chunk([], usage=public_usage(usage))
+            out += self._chunk([], usage=usage.public())
         return out + b"data: [DONE]\n\n"
 
     @staticmethod
@@ -85,8 +87,8 @@ class ResponseShaper:
 
     # --- whole response ----------------------------------------------------------
 
-    def whole(self, text: str, finish_reason: str, usage: dict,
-              timings: dict) -> dict:
+    def whole(self, text: str, finish_reason: str, usage: Usage,
+              timings: Timings) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": None, "finish_reason": finish_reason}
@@ -99,17 +101,7 @@ class ResponseShaper:
             "created": self.created,
             "model": self.model,
             "choices": [choice],
-            "usage": public_usage(usage),
-            "timings": timings,
+            "usage": usage.public(),
+            "timings": timings.public(),
         }
 
-
-def public_usage(usage: dict) -> dict:
-    out = {
-        "prompt_tokens": usage.get("prompt_tokens", 0),
-        "completion_tokens": usage.get("completion_tokens", 0),
-        "total_tokens": usage.get("total_tokens", 0),
-    }
-    if "cached_tokens" in usage:
-        out["prompt_tokens_details"] = {"cached_tokens": usage["cached_tokens"]}
-    return out

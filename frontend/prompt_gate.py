@@ -43,19 +43,18 @@ class PromptGate:
     def check(self, generation: GenerationRequest) -> GenerationRequest:
         """The request with ``prompt_tokens`` (and the chat format's stop
         strings) attached; raise 400 if the prompt cannot fit."""
-        from workers.model.prompting import PromptError
+        from workers.model.prompting import PromptError, PromptTooLong
 
         try:
-            tokens, stops = self._prompts().tokens(generation)
+            # Refused by its size before tokenising, or as soon as the
+            # tokens so far fill the context (``workers.model.tokenizing``).
+            tokens, stops = self._prompts().tokens(generation, limit=self.n_ctx)
         except PromptError as exc:
             raise BadRequest(f"cannot render messages: {exc}",
                              param="messages") from None
-        if len(tokens) >= self.n_ctx:
+        except PromptTooLong as exc:
             param = "messages" if generation.kind == CHAT else "prompt"
-            raise BadRequest(
-                f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx}",
-                param=param,
-                code="context_length_exceeded",
-            )
+            raise BadRequest(str(exc), param=param,
+                             code="context_length_exceeded") from None
         return dataclasses.replace(generation, prompt_tokens=tokens,
                                    extra_stops=stops)

@@ -89,8 +89,9 @@ class RequestRecord:
             fields["ending"] = self.lease.ending.value
             fields["finish_reason"] = o.finish_reason
             fields["error_code"] = o.error_code
-            fields["prompt_tokens"] = o.usage.get("prompt_tokens")
-            fields["completion_tokens"] = o.usage.get("completion_tokens")
+            if o.usage is not None:
+                fields["prompt_tokens"] = o.usage.prompt_tokens
+                fields["completion_tokens"] = o.usage.completion_tokens
             if o.first_token_at is not None:
                 ttft = o.first_token_at - o.started_at
                 fields["ttft_ms"] = round(ttft * 1000, 2)

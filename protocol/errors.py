@@ -34,6 +34,9 @@ class ErrorCode(str, enum.Enum):
     DUPLICATE_JOB = "duplicate_job"
     WORKER_DIED = "worker_died"
     WORKER_RESTARTED = "worker_restarted"
+    # The worker sent a frame for the job that does not decode (a broken or
+    # rogue worker): the job fails and the worker is disconnected.
+    WORKER_PROTOCOL_ERROR = "worker_protocol_error"
     # The frontend ended the job: its link lost the broker, or no frame came.
     BROKER_UNREACHABLE = "broker_unreachable"
     BROKER_RESTARTED = "broker_restarted"

@@ -33,18 +33,20 @@ from typing import ClassVar
 
 import msgpack
 
-from protocol.payloads import GenerationRequest, JobProgress, PoolStatus
+from protocol.payloads import GenerationRequest, JobProgress, PoolStatus, Timings, Usage
 from protocol.records import (
     Kind,
     ListOf,
     MalformedMessage,
+    OneOf,
     Optional,
     WireRecord,
     wire_record,
 )
 
-#: Protocol name and version. Bump the digits on any breaking change.
-PROTOCOL_HEADER = b"LLAMAPOOL02"
+#: Protocol name and version. Bump the digits on any breaking change
+#: (03: FINAL's usage and timings are typed arrays, no longer maps).
+PROTOCOL_HEADER = b"LLAMAPOOL03"
 
 #: Largest body accepted from the network. A SUBMIT carries the whole prompt,
 #: so this bounds what a peer can make us allocate.
@@ -195,22 +197,25 @@ class Token(Message):
     n_tokens: int = 1
 
 
-@_register(0x16, job_id=_STR, finish_reason=_STR, usage=_MAP, timings=_MAP,
-           text=_STR)
+#: How a job can end well; anything else in a FINAL is malformed.
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+@_register(0x16, job_id=_STR, finish_reason=OneOf(*FINISH_REASONS), usage=Usage,
+           timings=Timings, text=_STR)
 class Final(Message):
     """Terminal frame: the job ended with ``finish_reason``.
 
-    ``finish_reason`` is ``stop``, ``length`` or ``cancelled``. ``usage`` has
-    ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``; ``timings``
-    has ``prompt_ms``, ``predicted_ms``, ``predicted_per_second``. ``text`` is
-    output that was held back (a possible stop-string prefix) and is released
-    at the end.
+    ``usage`` and ``timings`` are typed and range-checked on decode like every
+    field: the frontend puts them into the client's JSON and the broker sums
+    them into the pool's counters. ``text`` is output that was held back (a
+    possible stop-string prefix) and is released at the end.
     """
 
     job_id: str
     finish_reason: str
-    usage: dict
-    timings: dict
+    usage: Usage
+    timings: Timings
     text: str = ""
 
 
@@ -271,6 +276,15 @@ def decode(frames: list[bytes]) -> Message:
     except Exception as exc:  # msgpack raises several unrelated types
         raise MalformedMessage(f"bad msgpack body: {exc.__class__.__name__}") from None
     return cls.from_body(fields)
+
+
+def command_class(frames: list[bytes]) -> type[Message] | None:
+    """The message class that ``frames`` claim to be, by header and command
+    byte alone, or None. For a message that failed to decode: a broken
+    terminal frame must still end its job."""
+    if len(frames) < 2 or frames[0] != PROTOCOL_HEADER:
+        return None
+    return _BY_COMMAND.get(bytes(frames[1]))
 
 
 def all_message_classes() -> list[type[Message]]:

@@ -14,6 +14,12 @@ messages that carry it.
   (``workers.model``). The broker decodes it only to check it.
 * ``JobProgress``: a busy worker's heartbeat; the broker's ledger turns it
   into the Retry-After hint and the KV-cache gauge.
+* ``Usage`` and ``Timings``: what a FINAL frame says the job cost. They were
+  dicts too, passed from a worker through the broker (which summed them into
+  the pool's counters) to the client's JSON: a string, a list or a NaN in one
+  became a 500 or a stream cut off after its headers. Counts are
+  non-negative integers and times finite non-negative numbers
+  (``protocol.records.Count``, ``NonNegative``).
 * ``PoolStatus`` (with ``SlotStatus``, ``PoolTotals`` and
   ``HistogramSnapshot``): the broker's answer to STATUS, behind ``/health``,
   ``/slots``, ``/v1/models`` and ``/metrics``.
@@ -23,12 +29,23 @@ from __future__ import annotations
 
 import dataclasses
 
-from protocol.records import ListOf, MapOf, OneOf, Optional, WireRecord, wire_record
+from protocol.records import (
+    Count,
+    ListOf,
+    MapOf,
+    NonNegative,
+    OneOf,
+    Optional,
+    WireRecord,
+    wire_record,
+)
 
 _STR = (str,)
 _INT = (int,)
 _NUM = (int, float)
 _BOOL = (bool,)
+_COUNT = Count()
+_NON_NEGATIVE = NonNegative()
 
 #: What a generation request is: a raw prompt, or chat messages to render.
 COMPLETION = "completion"
@@ -99,8 +116,9 @@ class GenerationRequest(WireRecord):
 # --- live progress ---------------------------------------------------------------
 
 
-@wire_record(job_id=_STR, n_prompt=_INT, n_generated=_INT, max_tokens=_INT,
-             tokens_per_s=_NUM, n_ctx_used=_INT)
+@wire_record(job_id=_STR, n_prompt=_COUNT, n_generated=_COUNT,
+             max_tokens=_COUNT, tokens_per_s=_NON_NEGATIVE, n_ctx_used=_COUNT,
+             pause_ends_in_s=Optional(_NON_NEGATIVE))
 class JobProgress(WireRecord):
     """A busy worker's progress on ``job_id``, sent with every heartbeat.
 
@@ -115,6 +133,55 @@ class JobProgress(WireRecord):
     max_tokens: int = 0
     tokens_per_s: float = 0.0
     n_ctx_used: int = 0
+    #: None while generating. A number while the job is paused because its
+    #: client is not reading (no credit): the worker cancels the job in that
+    #: many seconds (its stall timeout) unless the client reads again. The
+    #: broker's Retry-After counts it: a paused slot is not about to be free.
+    pause_ends_in_s: float | None = None
+
+
+# --- what a finished job cost (FINAL) -------------------------------------------
+
+
+@wire_record(prompt_tokens=_COUNT, completion_tokens=_COUNT, total_tokens=_COUNT,
+             cached_tokens=_COUNT)
+class Usage(WireRecord):
+    """OpenAI's ``usage``: tokens in, out, and reused from the KV cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    #: Prompt tokens the worker's KV cache already held (not computed again).
+    cached_tokens: int = 0
+
+    def public(self) -> dict:
+        """The ``usage`` object of an OpenAI response."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@wire_record(prompt_n=_COUNT, prompt_ms=_NON_NEGATIVE, predicted_n=_COUNT,
+             predicted_ms=_NON_NEGATIVE, predicted_per_second=_NON_NEGATIVE)
+class Timings(WireRecord):
+    """llama.cpp's server's ``timings``: prompt evaluation and generation.
+
+    ``prompt_n`` counts only the prompt tokens computed (not those reused
+    from the cache); times are milliseconds.
+    """
+
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_second: float = 0.0
+
+    def public(self) -> dict:
+        """The ``timings`` object of a response, as llama.cpp's server names it."""
+        return dataclasses.asdict(self)
 
 
 # --- pool status (the STATUS reply) -------------------------------------------------

@@ -16,7 +16,10 @@ A field's kind is one of:
   accepted where a number is meant;
 * another ``WireRecord`` class: a nested array, decoded and checked by it;
 * ``ListOf(kind)``, ``MapOf(key_types, value_types)``, ``Optional(kind)`` and
-  ``OneOf(*values)``: containers of those, and a closed set of strings.
+  ``OneOf(*values)``: containers of those, and a closed set of strings;
+* ``Count()`` and ``NonNegative()``: a number whose range is checked too (a
+  token count, a duration, a rate), so NaN, infinity or a negative never
+  reaches arithmetic, JSON or a Prometheus counter.
 
 New optional fields go at the end with defaults, so an older peer's shorter
 array still decodes, and a newer peer's extra trailing fields are ignored.
@@ -26,6 +29,7 @@ That holds at every level of nesting.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Callable
 from typing import Any, ClassVar, Union
@@ -124,7 +128,41 @@ class OneOf:
         return value
 
 
-Kind = Union[tuple, ListOf, MapOf, Optional, OneOf, "type[WireRecord]"]
+#: The largest count accepted: the largest integer a JSON client (JavaScript)
+#: still reads exactly. No real count comes near it.
+MAX_COUNT = 2**53 - 1
+
+
+class Count:
+    """A non-negative integer (a number of tokens), at most ``MAX_COUNT``."""
+
+    def check(self, value: Any, where: str) -> int:
+        if value.__class__ is not int:
+            raise MalformedMessage(f"{where}: {type(value).__name__}")
+        if not 0 <= value <= MAX_COUNT:
+            raise MalformedMessage(f"{where}: {value} is out of range")
+        return value
+
+    def pack(self, value: int) -> int:
+        return value
+
+
+class NonNegative:
+    """A finite number >= 0 (a duration, a rate); an int is taken as a float."""
+
+    def check(self, value: Any, where: str) -> float:
+        if value.__class__ is not float and value.__class__ is not int:
+            raise MalformedMessage(f"{where}: {type(value).__name__}")
+        if not (math.isfinite(value) and value >= 0):
+            raise MalformedMessage(f"{where}: {value!r} is not a finite number >= 0")
+        return float(value)
+
+    def pack(self, value: float) -> float:
+        return value
+
+
+Kind = Union[tuple, ListOf, MapOf, Optional, OneOf, Count, NonNegative,
+             "type[WireRecord]"]
 
 
 def _checker(kind: Kind):

@@ -148,7 +148,8 @@ class Pool:
     def __init__(self, model_path: Path, run_dir: Path, *, workers: int = 2,
                  api_keys: tuple[str, ...] = (), frontend_env: dict | None = None,
                  worker_args: tuple[str, ...] = (), wait_ready: bool = True,
-                 global_args: tuple[str, ...] = ()) -> None:
+                 global_args: tuple[str, ...] = (),
+                 frontend_tokenizes: bool = True) -> None:
         self.model_path = model_path
         self.run_dir = run_dir
         self.frontends_ep = f"ipc://{run_dir}/frontends"
@@ -171,7 +172,9 @@ class Pool:
         self.frontend = Proc(
             "frontend",
             cli(*global_args, "frontend", "--broker", self.frontends_ep,
-                "--bind", f"127.0.0.1:{self.port}", "--model", str(model_path),
+                "--bind", f"127.0.0.1:{self.port}",
+                # Without the model file the workers tokenise every prompt.
+                *(("--model", str(model_path)) if frontend_tokenizes else ()),
                 "--ctx", "2048", *key_args, *TEST_HEARTBEAT),
             run_dir, env=env,
         )

@@ -29,6 +29,10 @@ from frontend.openai_format import ResponseShaper
 from frontend.sse import EventStreamBody
 from protocol import messages
 from protocol.errors import ErrorCode
+from protocol.payloads import Timings, Usage
+
+#: usage and timings of a FINAL that says nothing was used.
+NOTHING_USED = (Usage(0, 0, 0), Timings(0, 0.0, 0, 0.0))
 
 
 class Link:
@@ -78,7 +82,7 @@ def sse_error(event: bytes) -> dict:
 def test_eof_and_remote_error_send_no_cancel():
     link = Link()
     job = started_job(link, messages.Token("j", "a"),
-                      messages.Final("j", "stop", {}, {}))
+                      messages.Final("j", "stop", *NOTHING_USED))
     text, final = collect(job)
     assert (text, final.finish_reason) == ("a", "stop")
     link2 = Link()
@@ -137,7 +141,7 @@ def test_first_frame_final_ends_the_lease_before_any_read():
     """``max_tokens: 0``: the job is over before the body exists; a client
     that leaves unread must not make the frontend cancel a finished job."""
     link = Link()
-    job = started_job(link, messages.Final("j", "length", {}, {}))
+    job = started_job(link, messages.Final("j", "length", *NOTHING_USED))
     body = EventStreamBody(job, ResponseShaper("completion", "r", "m"))
     body.close()
     assert (link.endings, link.cancels) == ([LeaseEnding.EOF], [])
@@ -208,4 +212,4 @@ def test_error_frames_carry_no_status_on_the_wire():
     msg = messages.Error("j", ErrorCode.CLIENT_STALLED, "m")
     assert messages.decode(msg.to_wire()) == msg
     assert list(messages.Error.FIELD_TYPES) == ["job_id", "code", "message"]
-    assert messages.PROTOCOL_HEADER == b"LLAMAPOOL02"
+    assert messages.PROTOCOL_HEADER == b"LLAMAPOOL03"

@@ -26,6 +26,10 @@ from frontend.lease import LeaseEnding, SlotLease
 from frontend.openai_format import ResponseShaper
 from frontend.sse import EventStreamBody
 from protocol import messages
+from protocol.payloads import Timings, Usage
+
+#: usage and timings of a FINAL that says nothing was used.
+NOTHING_USED = (Usage(0, 0, 0), Timings(0, 0.0, 0, 0.0))
 
 
 class Recorder:
@@ -80,7 +84,7 @@ class LeaseMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.terminal_sent)
     @rule()
     def worker_sends_final(self):
-        self.stream.put(messages.Final("job", "stop", {}, {}))
+        self.stream.put(messages.Final("job", "stop", *NOTHING_USED))
         self.terminal_sent = True
         self.unread.append("terminal")
 
@@ -199,7 +203,7 @@ def test_credit_is_returned_as_events_are_consumed():
     body = EventStreamBody(job, ResponseShaper("chat", "r", "m"))
     for _ in range(4):
         stream.put(messages.Token("j", "b"))
-    stream.put(messages.Final("j", "length", {}, {}))
+    stream.put(messages.Final("j", "length", *NOTHING_USED))
     events = list(body)
     assert events[-1].endswith(b"data: [DONE]\n\n")
     credits = [m.frames for m in rec.sent if isinstance(m, messages.Credit)]

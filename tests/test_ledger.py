@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
@@ -73,7 +75,7 @@ class LedgerMachine(RuleBasedStateMachine):
         for w in busy:
             assert self.ledger.jobs[w.job_id].worker == w.identity
         assert self.ledger.free_slots() + len(busy) == self.ledger.live_slots()
-        assert 1 <= self.ledger.retry_after_s() <= 60
+        assert 1 <= self.ledger.retry_after_s(self.now) <= 60
 
     def teardown(self):
         # Every job's terminal frame eventually passes (or its worker dies):
@@ -93,7 +95,32 @@ def test_retry_after_comes_from_live_progress():
     slot = ledger.assign("j", b"f", 0)
     slot.progress = JobProgress("j", n_generated=10, max_tokens=110,
                                 tokens_per_s=20.0)
-    assert ledger.retry_after_s() == 5.0  # 100 tokens left at 20/s
+    assert ledger.retry_after_s(0) == 5.0  # 100 tokens left at 20/s
+
+
+def test_retry_after_counts_a_paused_slot_as_its_stall_time_left():
+    """A slot paused for lack of credit frees when its stall timeout ends it,
+    whatever speed it had; estimates count down from their heartbeat."""
+    ledger = Ledger(TIMEOUT_S)
+    for name in (b"a", b"b"):
+        ledger.register_worker(name, ready(name.decode()), 0)
+        ledger.assign(name.decode(), b"f", 0)
+    fast_then_paused = JobProgress("a", n_generated=10, max_tokens=110,
+                                   tokens_per_s=1000.0, pause_ends_in_s=40.0)
+    ledger.record_progress(ledger.workers[b"a"], fast_then_paused, 10.0)
+    ledger.record_progress(ledger.workers[b"b"], dataclasses.replace(
+        fast_then_paused, job_id="b", pause_ends_in_s=50.0), 10.0)
+    assert ledger.retry_after_s(10.0) == 40.0
+    assert ledger.retry_after_s(25.5) == 25.0  # 40 s from t=10, rounded up
+    assert ledger.retry_after_s(100.0) == 1.0  # overdue: the minimum
+    # One generating slot near its end sets the hint.
+    ledger.record_progress(ledger.workers[b"b"], dataclasses.replace(
+        fast_then_paused, job_id="b", pause_ends_in_s=None,
+        tokens_per_s=20.0), 25.5)
+    assert ledger.retry_after_s(25.5) == 5.0
+    # A cancelling slot is about to be free.
+    ledger.request_cancel("a", 26.0)
+    assert ledger.retry_after_s(26.0) == 1.0
 
 
 def test_least_recently_used_idle_worker_gets_the_job():

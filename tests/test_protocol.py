@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol import messages
-from protocol.records import ListOf, MapOf, OneOf, Optional
+from protocol.records import Count, ListOf, MapOf, NonNegative, OneOf, Optional
 
 SAMPLE_VALUES = {
     (str,): "job-1",
@@ -34,6 +34,10 @@ def sample_value(kind):
         return sample_value(kind.kind)
     if isinstance(kind, OneOf):
         return sorted(kind.values)[0]
+    if isinstance(kind, Count):
+        return 3
+    if isinstance(kind, NonNegative):
+        return 2.5
     return sample(kind)  # a nested record
 
 

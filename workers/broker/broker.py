@@ -161,10 +161,11 @@ class Broker:
                 ready = dict(poller.poll(min(timeout_ms, interval_s * 1000)))
                 if self._worker_sock in ready:
                     self._drain(self._worker_sock, curve.WORKERS,
-                                self._on_worker_frames)
+                                self._on_worker_frames,
+                                self._on_malformed_from_worker)
                 if self._frontend_sock in ready:
                     self._drain(self._frontend_sock, curve.FRONTENDS,
-                                self._on_frontend_frames)
+                                self._on_frontend_frames, self._malformed)
                 now = time.monotonic()
                 if now >= next_beat:
                     self._heartbeat_and_expire(now)
@@ -175,7 +176,7 @@ class Broker:
             self.close()
             log.info("broker stopped")
 
-    def _drain(self, sock: zmq.Socket, role: str, handle) -> None:
+    def _drain(self, sock: zmq.Socket, role: str, handle, malformed) -> None:
         for _ in range(_BATCH):
             try:
                 if self._allowed_keys is None:
@@ -193,7 +194,7 @@ class Broker:
             try:
                 msg = messages.decode(body)
             except messages.MalformedMessage as exc:
-                self._malformed(identity, str(exc))
+                malformed(identity, str(exc), body)
                 continue
             handle(identity, msg, body)
 
@@ -238,7 +239,7 @@ class Broker:
                         key.decode(errors="replace"))
             self._frontend_gone(ident, now)
 
-    def _malformed(self, identity: bytes, why: str) -> None:
+    def _malformed(self, identity: bytes, why: str, frames=None) -> None:
         self.counters["malformed_dropped"] += 1
         # Rate-limit the log: a garbage flood must not become a log flood.
         n = self.counters["malformed_dropped"]
@@ -246,6 +247,35 @@ class Broker:
             log.warning(
                 "dropped malformed message #%d from %s: %s", n, identity.hex(), why
             )
+
+    def _on_malformed_from_worker(self, identity: bytes, why: str,
+                                  frames: list[bytes]) -> None:
+        """Drop and count, as from any peer; and if a registered worker's
+        broken frame was a job frame while it holds a job, that job can no
+        longer end well: its output or its terminal frame is lost.
+
+        The job fails at once with ``worker_protocol_error`` (the client gets
+        a clean 502 or error event, and the lease its terminal frame), and
+        the worker is forgotten and told DISCONNECT: a worker that breaks the
+        protocol mid-job is not trusted with the next one until it registers
+        again (a sound worker does, with READY, once its job is over).
+        A broken heartbeat is only dropped: it loses nothing.
+        """
+        self._malformed(identity, why)
+        slot = self.ledger.workers.get(identity)
+        if (slot is None or slot.job_id is None
+                or messages.command_class(frames) not in messages.JOB_FRAMES):
+            return
+        self.counters["worker_protocol_errors"] += 1
+        log.warning("worker sent a malformed job frame mid-job: slot=%d pid=%d: "
+                    "%s; failing its job and disconnecting it",
+                    slot.slot_id, slot.info.pid, why)
+        job = self.ledger.remove_worker(identity)
+        if job is not None:
+            self.stats.job_lost()
+            self._fail_job(job, ErrorCode.WORKER_PROTOCOL_ERROR,
+                           "the model worker sent a malformed frame")
+        self._to_worker(identity, messages.Disconnect("malformed job frame"))
 
     # --- frontend side -----------------------------------------------------------
 
@@ -304,7 +334,7 @@ class Broker:
         if slot is None:
             self.counters["no_slot"] += 1
             self._to_frontend(
-                ident, messages.NoSlot(msg.job_id, self.ledger.retry_after_s())
+                ident, messages.NoSlot(msg.job_id, self.ledger.retry_after_s(now))
             )
             return
         if not self._to_worker(slot.identity, raw):
@@ -363,7 +393,7 @@ class Broker:
             progress = msg.progress
             if progress is not None and slot.job_id and (
                     progress.job_id == slot.job_id):
-                slot.progress = progress
+                self.ledger.record_progress(slot, progress, now)
         elif isinstance(msg, messages.Disconnect):
             # The worker is shutting down: no new jobs. Its current job (if
             # any) still ends with a terminal frame, which frees the slot.

@@ -45,6 +45,8 @@ class WorkerSlot:
     lease_taken_at: float | None = None
     #: The current job's last heartbeat (None while idle or before it).
     progress: JobProgress | None = None
+    #: When that heartbeat arrived (monotonic): its estimates age from there.
+    progress_at: float | None = None
     jobs_served: int = 0
     # When the worker last became idle; the least recently used idle worker
     # gets the next job, which spreads load evenly.
@@ -196,6 +198,7 @@ class Ledger:
         slot.job_id = job_id
         slot.lease_taken_at = now
         slot.progress = None
+        slot.progress_at = None
         self.jobs[job_id] = Job(job_id, frontend, slot.identity, now)
         return slot
 
@@ -221,6 +224,7 @@ class Ledger:
             slot.job_id = None
             slot.lease_taken_at = None
             slot.progress = None
+            slot.progress_at = None
             slot.jobs_served += 1
             slot.idle_since = now
         return job
@@ -248,22 +252,45 @@ class Ledger:
         ]
         return sum(levels) / len(levels) if levels else 0.0
 
-    def retry_after_s(self) -> float:
-        """Estimate when a slot frees up, from busy workers' live progress.
+    def record_progress(self, slot: WorkerSlot, progress: JobProgress,
+                        now: float) -> None:
+        """A heartbeat's progress for the slot's current job."""
+        slot.progress = progress
+        slot.progress_at = now
 
-        The soonest finishing busy slot sets the hint: its remaining tokens
-        over its current speed. Slots without a speed yet are ignored unless
-        none has one, and then the minimum is used.
+    def retry_after_s(self, now: float) -> float:
+        """Estimate when a slot frees up, from what the busy slots are doing.
+
+        The slot expected to be free soonest sets the hint:
+
+        * generating: its remaining tokens over its current speed;
+        * paused because its client is not reading (no credit): the time left
+          until the worker's stall timeout ends the job. Its speed says
+          nothing while it waits, and it may wait for a minute (a hint of 1 s
+          sent every client of a pool of slow readers straight back);
+        * cancelling: about now (it stops at its next token).
+
+        Each estimate counts down from the heartbeat it came from. Slots with
+        no estimate yet (no heartbeat, no speed) are left out; with none at
+        all the minimum is used. Bounded by ``RETRY_AFTER_MIN_S`` and
+        ``RETRY_AFTER_MAX_S`` (``protocol.timing``) and rounded up.
         """
         estimates = []
         for slot in self.workers.values():
-            p = slot.progress
-            if p is None:
+            if slot.state == CANCELLING:
+                estimates.append(0.0)
                 continue
-            speed = p.tokens_per_s
+            p = slot.progress
+            if p is None or slot.state != BUSY:
+                continue
+            age = 0.0 if slot.progress_at is None else max(0.0,
+                                                           now - slot.progress_at)
+            if p.pause_ends_in_s is not None:
+                estimates.append(p.pause_ends_in_s - age)
+                continue
             remaining = p.max_tokens - p.n_generated
-            if speed > 0 and remaining >= 0:
-                estimates.append(remaining / speed)
+            if p.tokens_per_s > 0 and remaining >= 0:
+                estimates.append(remaining / p.tokens_per_s - age)
         hint = min(estimates) if estimates else timing.RETRY_AFTER_MIN_S
         hint = max(timing.RETRY_AFTER_MIN_S, min(timing.RETRY_AFTER_MAX_S, hint))
         return float(math.ceil(hint))
@@ -306,5 +333,5 @@ class Ledger:
             frontends=len(self.frontends),
             counters=counters,
             stats=stats,
-            retry_after_s=self.retry_after_s(),
+            retry_after_s=self.retry_after_s(now),
         )

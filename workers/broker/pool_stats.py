@@ -75,11 +75,11 @@ class PoolStats:
     def job_ended(self, msg: messages.Message, cancel_requested_at: float | None,
                   now: float) -> None:
         if isinstance(msg, messages.Final):
-            usage, timings = msg.usage, msg.timings
-            self.prompt_tokens += _int(timings.get("prompt_n"))
-            self.tokens_generated += _int(usage.get("completion_tokens"))
-            self.prompt_seconds += _num(timings.get("prompt_ms")) / 1000
-            self.tokens_seconds += _num(timings.get("predicted_ms")) / 1000
+            # Typed and range-checked on decode (``protocol.payloads``).
+            self.prompt_tokens += msg.timings.prompt_n
+            self.tokens_generated += msg.usage.completion_tokens
+            self.prompt_seconds += msg.timings.prompt_ms / 1000
+            self.tokens_seconds += msg.timings.predicted_ms / 1000
             if msg.finish_reason == "cancelled":
                 self.cancelled += 1
             else:
@@ -104,12 +104,3 @@ class PoolStats:
             tokens_seconds_total=self.tokens_seconds,
             cancel_release_s=self.release_after_cancel.snapshot(),
         )
-
-
-def _int(value) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _num(value) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if ok and value >= 0 else 0.0

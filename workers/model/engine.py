@@ -11,7 +11,7 @@ import dataclasses
 from typing import Protocol
 
 from protocol.errors import ErrorCode
-from protocol.payloads import GenerationRequest
+from protocol.payloads import GenerationRequest, Timings, Usage
 from workers.model.stop_strings import StopStringFilter
 
 
@@ -101,27 +101,29 @@ class GenerationResult:
     predicted_ms: float
     tail_text: str = ""  # held-back text released at the end
 
-    def usage(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-        }
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+        )
 
-    def timings(self) -> dict:
+    def timings(self) -> Timings:
         per_s = (
             self.completion_tokens / (self.predicted_ms / 1000)
             if self.predicted_ms > 0
             else 0.0
         )
-        return {
-            "prompt_n": self.prompt_tokens - self.cached_tokens,
-            "prompt_ms": self.prompt_ms,
-            "predicted_n": self.completion_tokens,
-            "predicted_ms": self.predicted_ms,
-            "predicted_per_second": per_s,
-        }
+        # Clamped so that this worker's own FINAL always passes the range
+        # checks at the broker (a clock step must not turn a job into an error).
+        return Timings(
+            prompt_n=max(0, self.prompt_tokens - self.cached_tokens),
+            prompt_ms=max(0.0, self.prompt_ms),
+            predicted_n=self.completion_tokens,
+            predicted_ms=max(0.0, self.predicted_ms),
+            predicted_per_second=per_s,
+        )
 
 
 class Engine(Protocol):

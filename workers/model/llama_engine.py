@@ -28,6 +28,7 @@ from workers.model.engine import (
     token_budget,
 )
 from workers.model.prompting import PromptBuilder, PromptError
+from workers.model.tokenizing import PromptTooLong, TokenizeCancelled
 
 log = logging.getLogger("llamapool.worker")
 
@@ -76,9 +77,14 @@ class LlamaEngine:
     # --- prompts ---------------------------------------------------------------
 
     def _prompt_tokens(
-        self, request: GenerationRequest
+        self, request: GenerationRequest, sink: JobSink
     ) -> tuple[list[int], list[str]]:
-        """Tokens from the frontend if it tokenised, else rendered here."""
+        """Tokens from the frontend if it tokenised, else rendered here.
+
+        Tokenising here stops between pieces when the job is cancelled
+        (raises ``TokenizeCancelled``), so a client that gives up on a long
+        prompt frees the slot without waiting for the whole prompt.
+        """
         given = request.prompt_tokens
         if given is not None:
             n_vocab = self.llama.n_vocab()
@@ -90,15 +96,24 @@ class LlamaEngine:
                                       "prompt_tokens must be valid token ids")
             return given, request.extra_stops
         try:
-            return self.prompts.tokens(request)
+            return self.prompts.tokens(request, self.n_ctx, sink.should_stop)
         except PromptError as exc:
             raise RequestRejected(ErrorCode.INVALID_MESSAGES, str(exc)) from None
+        except PromptTooLong as exc:
+            raise RequestRejected(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                                  str(exc)) from None
 
     # --- generation --------------------------------------------------------------
 
     def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
         started = time.perf_counter()
-        prompt, extra_stops = self._prompt_tokens(request)
+        try:
+            prompt, extra_stops = self._prompt_tokens(request, sink)
+        except TokenizeCancelled:
+            elapsed_ms = (time.perf_counter() - started) * 1000
+            return GenerationResult(finish_reason="cancelled", prompt_tokens=0,
+                                    completion_tokens=0, cached_tokens=0,
+                                    prompt_ms=elapsed_ms, predicted_ms=0.0)
         max_tokens = token_budget(len(prompt), self.n_ctx, request.max_tokens)
 
         sampling = request.sampling

@@ -4,14 +4,26 @@ Used by the model worker, and by the frontend when it is given the model file
 (a vocab-only load, about 0.5 s and 60 MB for Gemma): then the frontend counts
 tokens itself, so a prompt longer than the context is refused at the door,
 before it takes a slot, and the worker skips the work.
+
+Tokenising goes through ``workers.model.tokenizing``: a prompt whose size
+alone rules it out is refused before any tokenising, and the rest is
+tokenised in pieces that stop at the context limit or at a cancel.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import llama_cpp
 from llama_cpp import llama_chat_format
 
 from protocol.payloads import CHAT, GenerationRequest
+from workers.model.tokenizing import BoundedTokenizer, PromptTooLong, TokenizeCancelled
+
+# The tokenising errors are raised through ``PromptBuilder.tokens``; callers
+# (the frontend's gate too) import them from here.
+__all__ = ["PromptBuilder", "PromptError", "PromptTooLong", "TokenizeCancelled",
+           "TEMPLATE_CHAT_FORMAT"]
 
 #: Name of the chat format that means "the Jinja template in the GGUF".
 TEMPLATE_CHAT_FORMAT = "template"
@@ -27,6 +39,7 @@ class PromptBuilder:
     def __init__(self, llama: llama_cpp.Llama, chat_format: str | None) -> None:
         self.llama = llama
         self._format_chat = self._chat_formatter(chat_format)
+        self._tokenizer = BoundedTokenizer(llama)
 
     @classmethod
     def vocab_only(cls, model_path: str, chat_format: str | None) -> PromptBuilder:
@@ -55,8 +68,16 @@ class PromptBuilder:
                 return formatter
         raise ValueError(f"unknown chat format {chat_format!r}")
 
-    def tokens(self, request: GenerationRequest) -> tuple[list[int], list[str]]:
-        """Prompt tokens and the chat format's own stop strings."""
+    def tokens(self, request: GenerationRequest, limit: int,
+               should_stop: Callable[[], bool] | None = None,
+               ) -> tuple[list[int], list[str]]:
+        """Prompt tokens and the chat format's own stop strings.
+
+        Raises:
+            PromptError: the messages cannot be rendered.
+            PromptTooLong: the prompt has ``limit`` tokens or more.
+            TokenizeCancelled: ``should_stop`` turned true on the way.
+        """
         if request.kind == CHAT:
             try:
                 rendered = self._format_chat(
@@ -65,13 +86,16 @@ class PromptBuilder:
                 raise PromptError(str(exc)) from None
             stops = rendered.stop or []
             stops = [stops] if isinstance(stops, str) else list(stops)
-            tokens = self.llama.tokenize(
+            tokens = self._tokenizer.tokenize(
                 rendered.prompt.encode("utf-8"),
-                add_bos=not rendered.added_special,
-                special=True,
+                add_special=not rendered.added_special, parse_special=True,
+                limit=limit, should_stop=should_stop,
             )
             return tokens, stops
         prompt = request.prompt
         if prompt == "":
             return [self.llama.token_bos()], []
-        return self.llama.tokenize(prompt.encode("utf-8"), special=True), []
+        tokens = self._tokenizer.tokenize(
+            prompt.encode("utf-8"), add_special=True, parse_special=True,
+            limit=limit, should_stop=should_stop)
+        return tokens, []

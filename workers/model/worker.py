@@ -124,6 +124,8 @@ class ActiveJob:
         # The engine's latest report_progress() arguments; () before the first.
         self._progress: tuple = ()
         self.stalled = False
+        #: monotonic time the job began waiting for credit; None: not waiting.
+        self._paused_since: float | None = None
 
     # --- called by the link thread -----------------------------------------------
 
@@ -149,14 +151,21 @@ class ActiveJob:
 
     def wait_for_credit(self) -> bool:
         """Pause while the client is not reading; give up after the stall timeout."""
-        deadline = time.monotonic() + self._stall_timeout_s
+        started = time.monotonic()
+        deadline = started + self._stall_timeout_s
         with self._credit_changed:
-            while self._credit <= 0 and not self._cancelled.is_set():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self.stalled = True
-                    return False
-                self._credit_changed.wait(remaining)
+            try:
+                while self._credit <= 0 and not self._cancelled.is_set():
+                    # Heartbeats say we are paused, and until when (the
+                    # broker's Retry-After counts on it).
+                    self._paused_since = started
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self.stalled = True
+                        return False
+                    self._credit_changed.wait(remaining)
+            finally:
+                self._paused_since = None
         return not self._cancelled.is_set()
 
     def report_progress(self, n_prompt, n_generated, max_tokens, tokens_per_s,
@@ -170,7 +179,11 @@ class ActiveJob:
     # --- called by the link thread, for heartbeats --------------------------------
 
     def progress(self) -> JobProgress:
-        return JobProgress(self.job_id, *self._progress)
+        paused_since = self._paused_since
+        pause_ends_in_s = None if paused_since is None else max(
+            0.0, self._stall_timeout_s - (time.monotonic() - paused_since))
+        return JobProgress(self.job_id, *self._progress,
+                           pause_ends_in_s=pause_ends_in_s)
 
 
 class ModelWorker(LinkHandler):
