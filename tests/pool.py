@@ -160,7 +160,8 @@ class Pool:
                  api_keys: tuple[str, ...] = (), frontend_env: dict | None = None,
                  worker_args: tuple[str, ...] = (), wait_ready: bool = True,
                  global_args: tuple[str, ...] = (),
-                 frontend_tokenizes: bool = True) -> None:
+                 frontend_tokenizes: bool = True,
+                 broker_args: tuple[str, ...] = ()) -> None:
         self.model_path = model_path
         self.run_dir = run_dir
         self.frontends_ep = f"ipc://{run_dir}/frontends"
@@ -170,6 +171,7 @@ class Pool:
         self.api_keys = api_keys
         self.worker_args = worker_args
         self.global_args = global_args
+        self.broker_args = broker_args
         self.broker = self._start_broker()
         self.workers: list[Proc] = []
         self._worker_serial = 0
@@ -196,7 +198,8 @@ class Pool:
 
     def _start_broker(self) -> Proc:
         return Proc("broker", cli("broker", "--frontends", self.frontends_ep,
-                                  "--workers", self.workers_ep, *TEST_HEARTBEAT),
+                                  "--workers", self.workers_ep, *TEST_HEARTBEAT,
+                                  *self.broker_args),
                     self.run_dir)
 
     def start_worker(self) -> Proc:
