@@ -72,3 +72,23 @@ def test_a_worker_name_the_broker_would_refuse_is_refused_at_startup():
            "LLAMAPOOL_WORKER_NAME": "w" * (limits.MAX_NAME_CHARS + 1)}
     with pytest.raises(ConfigError, match="LLAMAPOOL_WORKER_NAME"):
         load(WorkerSettings, env)
+
+
+def test_a_request_too_large_for_the_wire_is_refused_by_the_frontend():
+    """The broker would drop a SUBMIT over its ceiling as malformed and the
+    client would wait for nothing: the frontend answers 413 instead."""
+    from frontend.broker_link import BrokerLink
+    from frontend.errors import PayloadTooLarge
+    from protocol.payloads import GenerationRequest
+
+    link = BrokerLink("ipc:///nonexistent/llamapool-test", heartbeat_interval_s=1,
+                      heartbeat_liveness=3)
+    try:
+        big = GenerationRequest("completion", "x" * limits.MAX_SUBMIT_BYTES)
+        with pytest.raises(PayloadTooLarge, match="at most"):
+            link.submit("j", big)
+        assert "j" not in link._streams
+        fits = GenerationRequest("completion", "x" * (limits.MAX_SUBMIT_BYTES // 2))
+        link.submit("k", fits)  # sent (to no broker)
+    finally:
+        link.close()

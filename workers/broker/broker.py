@@ -66,8 +66,10 @@ _DRAIN_BUDGET_S = 0.05
 #: process is descheduled), not a buffer anyone should fill.
 _SNDHWM = 10_000
 #: Frames queued per peer towards us. Small: a peer that sends faster than
-#: we read waits (its own DEALER keeps the rest), and a flood of maximal
-#: frames parks at most this many of them here.
+#: we read waits (back-pressure: its own DEALER keeps the rest, nothing is
+#: dropped), and a flood of maximal frames parks at most this many of them
+#: here (32 x 2 MiB). The price: a peer that closes its socket with a short
+#: linger right after a burst may lose the tail of the burst.
 _RCVHWM = 32
 
 
