@@ -13,8 +13,8 @@ allows:
 * A byte ceiling per command, checked before unpacking.
 * msgpack's ``max_str_len``/``max_bin_len``/``max_array_len``/
   ``max_map_len``/``max_ext_len``, per command, so a length header that
-  claims more is refused before anything is built (the protocol uses no bin
-  or ext at all).
+  claims more is refused before anything is built (the protocol uses no ext
+  at all; a bin, used by no field either, is left to the field check).
 * A cap on the number of arrays and maps in one body (``max_containers``),
   counted as msgpack builds them: the length limits bound one array, not how
   many there are, and the 16 M empty arrays were many small ones.
@@ -100,7 +100,10 @@ class BodyLimits:
         """msgpack ``unpackb`` keyword arguments for these limits."""
         return {
             "max_str_len": self.max_bytes,
-            "max_bin_len": 0,  # the protocol has no binary fields
+            # No field is binary; a bin is refused by the field check, which
+            # names the field. It is one object, so letting it reach that
+            # check costs nothing the byte ceiling does not already bound.
+            "max_bin_len": self.max_bytes,
             "max_ext_len": 0,  # nor extension types
             "max_array_len": self.max_array_len,
             "max_map_len": self.max_map_len,

@@ -133,9 +133,12 @@ def test_many_small_containers_are_refused_cheaply():
     huge = b"\xdd" + (2**31).to_bytes(4, "big")
     with pytest.raises(messages.MalformedMessage, match="msgpack"):
         messages.decode([H, messages.Status.COMMAND, huge])
-    with pytest.raises(messages.MalformedMessage, match="msgpack"):
+    with pytest.raises(messages.MalformedMessage, match="Cancel.job_id: bytes"):
         messages.decode([H, messages.Cancel.COMMAND,
                          msgpack.packb([b"binary is never used"])])
+    with pytest.raises(messages.MalformedMessage, match="msgpack"):
+        messages.decode([H, messages.Cancel.COMMAND,
+                         msgpack.packb([msgpack.ExtType(1, b"nor ext")])])
 
 
 @pytest.mark.parametrize("field", ["host", "worker_name", "model", "engine"])
