@@ -117,18 +117,19 @@ H = messages.PROTOCOL_HEADER
 def test_many_small_containers_are_refused_cheaply():
     """The issue's attack: a body of millions of empty arrays (or maps) used to
     be unpacked in full (seconds, gigabytes) before any field was checked."""
-    import time
     # Five arrays of 200 000 (each within the longest array a SUBMIT needs).
     n = 200_000
     assert n <= limits.SUBMIT.max_array_len
     for empty in (b"\x90", b"\x80"):  # an empty array, an empty map
         many = (b"\xdd" + n.to_bytes(4, "big") + empty * n) * 5
         body = b"\x93\xa1j\x95" + many + b"\x90"
-        started = time.perf_counter()
-        with pytest.raises(messages.MalformedMessage):
+        # Refused by the container budget, i.e. as soon as one container too
+        # many was built, not after the million were unpacked and the fields
+        # checked (what took seconds). No timing here: the benchmark
+        # (make bench-limits) measures it.
+        with pytest.raises(messages.MalformedMessage,
+                           match="too many arrays and maps"):
             messages.decode([H, messages.Submit.COMMAND, body])
-        # Generous (a loaded machine); unbounded decoding took seconds.
-        assert time.perf_counter() - started < 0.5
     # A length header claiming more than the command needs is refused at once.
     huge = b"\xdd" + (2**31).to_bytes(4, "big")
     with pytest.raises(messages.MalformedMessage, match="msgpack"):
