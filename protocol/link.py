@@ -181,6 +181,8 @@ class BrokerConnection:
         self.losses = 0
         #: Messages dropped because the connection was gone for good.
         self.unsent_dropped = 0
+        #: Exceptions raised by the handler's callbacks (logged, survived).
+        self.callback_errors = 0
         #: Messages from other threads, encoded by their sender.
         self._outbox: collections.deque[tuple[messages.Message, list[bytes]]] = (
             collections.deque())
@@ -252,7 +254,7 @@ class BrokerConnection:
             self.curve.apply(sock)
         sock.connect(self.endpoint)
         self._connected_at = time.monotonic()
-        self.handler.on_connect()
+        self._guarded(self.handler.on_connect)
         return sock
 
     def _run(self) -> None:
@@ -267,7 +269,7 @@ class BrokerConnection:
             sock = self._connect()
             poller.register(sock, zmq.POLLIN)
             while True:
-                self.handler.on_tick(time.monotonic())
+                self._guarded(self.handler.on_tick, time.monotonic())
                 if self._stopping:
                     self._forward_outbox()
                     break
@@ -283,7 +285,7 @@ class BrokerConnection:
                     self.losses += 1
                     log.warning("broker %s silent for %.1fs; reconnecting",
                                 self.endpoint, silent_s)
-                    self.handler.on_lost(silent_s)
+                    self._guarded(self.handler.on_lost, silent_s)
                     poller.unregister(sock)
                     sock.close(linger=0)
                     sock = self._connect()
@@ -304,6 +306,21 @@ class BrokerConnection:
             if self._sock is not None:
                 self._sock.close(linger=self.linger_ms)
 
+    def _guarded(self, callback, *args, failed=None):
+        """``callback(*args)``; if it raises, log (rate-limited), count and
+        return ``failed``. The link thread carries the process's heartbeats
+        (and a worker's systemd watchdog pings): a bug in one callback must
+        not end it."""
+        try:
+            return callback(*args)
+        except Exception:
+            self.callback_errors += 1
+            n = self.callback_errors
+            if n <= 10 or n % 1000 == 0:
+                log.exception("link callback %s failed (#%d); the link goes on",
+                              getattr(callback, "__name__", callback), n)
+            return failed
+
     def _forward_outbox(self) -> None:
         # Clear before counting: a message appended after the clear has
         # written a fresh wake-up, so what this round leaves is taken next
@@ -312,7 +329,7 @@ class BrokerConnection:
         self._wakeup.clear()
         for _ in range(len(self._outbox)):
             msg, frames = self._outbox.popleft()
-            if self.handler.forward(msg):
+            if self._guarded(self.handler.forward, msg, failed=True):
                 self._write(frames)
 
     def _write(self, frames: list[bytes]) -> None:
@@ -343,7 +360,7 @@ class BrokerConnection:
                 if n <= 10 or n % 1000 == 0:
                     log.warning("dropped malformed message #%d from broker: %s",
                                 n, exc)
-                self.handler.on_malformed(exc)
+                self._guarded(self.handler.on_malformed, exc)
                 continue
             try:
                 self.handler.on_message(msg)

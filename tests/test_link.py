@@ -187,6 +187,46 @@ def test_silence_means_a_new_connection_that_registers_again(broker, start_link)
     assert not link.alive()  # never heard from at all
 
 
+class Buggy(Recorder):
+    """Every callback but on_message and heartbeat raises."""
+
+    def on_connect(self) -> None:
+        super().on_connect()
+        raise RuntimeError("on_connect bug")
+
+    def on_tick(self, now: float) -> None:
+        raise RuntimeError("on_tick bug")
+
+    def on_lost(self, silent_s: float) -> None:
+        super().on_lost(silent_s)
+        raise RuntimeError("on_lost bug")
+
+    def forward(self, msg: messages.Message) -> bool:
+        raise RuntimeError("forward bug")
+
+
+def test_a_raising_callback_never_ends_the_link(broker, start_link):
+    """The link thread carries the heartbeats (and a worker's watchdog pings):
+    a bug in on_connect, on_tick, on_lost or forward is logged and counted,
+    and the link goes on beating, reconnecting and sending."""
+    handler = Buggy()
+    link = start_link(handler, interval_s=0.05, liveness=3)
+    first, hello = broker.recv_except(messages.Heartbeat)
+    assert isinstance(hello, messages.Hello)
+    # Silence: on_lost raises, and still a new connection says HELLO again.
+    second, hello = broker.recv_except(messages.Heartbeat)
+    assert isinstance(hello, messages.Hello) and second != first
+    assert handler.losses
+    # forward raises: the message is sent anyway (the application asked).
+    link.send(messages.Cancel("sent-despite-forward-bug"))
+    assert (broker.recv_except(messages.Heartbeat)[1]
+            == messages.Cancel("sent-despite-forward-bug"))
+    beats = handler.beats
+    wait_until(lambda: handler.beats > beats + 3, DEADLINE_S, "more heartbeats")
+    # on_connect twice, on_lost, forward, and on_tick on every turn.
+    assert link.callback_errors >= 5
+
+
 def test_sends_from_many_threads_arrive_in_each_threads_order(broker, start_link):
     n_threads, n_each = 8, 500
     link = start_link(Recorder())

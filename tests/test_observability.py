@@ -293,6 +293,8 @@ def test_broker_and_worker_serve_their_own_metrics(tiny_model, tmp_path):
         text = wait_until(lambda: scrape_port(worker_port, "llamapool_worker_loaded 1"),
                           30, "the worker to export loaded=1")
         assert "llamapool_worker_jobs_total 0.0" in text
+        assert "llamapool_worker_unsent_dropped_total 0.0" in text
+        assert "llamapool_worker_link_callback_errors_total 0.0" in text
     finally:
         worker.stop()
         broker.stop()

@@ -23,6 +23,14 @@ class WorkerCollector:
         yield CounterMetricFamily("llamapool_worker_malformed_frames_dropped_total",
                                   "Malformed messages from the broker, dropped",
                                   value=w.malformed_dropped)
+        yield CounterMetricFamily("llamapool_worker_unsent_dropped_total",
+                                  "Messages to the broker dropped: its "
+                                  "connection was gone (the link redials)",
+                                  value=w.unsent_dropped)
+        yield CounterMetricFamily("llamapool_worker_link_callback_errors_total",
+                                  "Exceptions caught in the broker link's "
+                                  "callbacks (logged; the link went on)",
+                                  value=w.link_callback_errors)
         yield GaugeMetricFamily("llamapool_worker_loaded",
                                 "1 once the model has loaded",
                                 value=0 if w.engine is None else 1)

@@ -234,6 +234,16 @@ class ModelWorker(LinkHandler):
         """Malformed messages from the broker, dropped."""
         return self._link.malformed_dropped
 
+    @property
+    def unsent_dropped(self) -> int:
+        """Messages to the broker dropped because its connection was gone."""
+        return self._link.unsent_dropped
+
+    @property
+    def link_callback_errors(self) -> int:
+        """Bugs caught in the link's callbacks (logged; the link went on)."""
+        return self._link.callback_errors
+
     # --- main thread -------------------------------------------------------------
 
     def run(self, stop: StopSignal) -> None:
