@@ -43,6 +43,11 @@ MAX_SCHEMA_REPETITIONS_TOTAL = 2048
 MAX_SCHEMA_DEPTH = 32
 #: Largest grammar accepted, given or converted (characters).
 MAX_GRAMMAR_CHARS = 256 * 1024
+#: Deepest nesting of parentheses in a grammar. llama.cpp's parser recurses
+#: once per level: 100,000 levels overflow the stack and kill the process
+#: (SIGSEGV). The converter nests one level per optional repetition, so this
+#: stays above ``MAX_SCHEMA_REPETITION``.
+MAX_GRAMMAR_NESTING = 512
 
 _COUNT_KEYS = ("minItems", "maxItems", "minLength", "maxLength")
 _QUANTIFIER = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
@@ -118,6 +123,30 @@ def check_gbnf(gbnf: str, vocab: ctypes.c_void_p | None = None) -> None:
     _free(_compile(gbnf, vocab))
 
 
+def grammar_nesting(gbnf: str) -> int:
+    """The deepest nesting of parentheses in GBNF, outside literals
+    (``"..."``), character classes (``[...]``) and comments."""
+    depth = deepest = 0
+    i, n = 0, len(gbnf)
+    while i < n:
+        c = gbnf[i]
+        if c in "\"[":
+            close = "\"" if c == "\"" else "]"
+            i += 1
+            while i < n and gbnf[i] != close:
+                i += 2 if gbnf[i] == "\\" else 1
+        elif c == "#":
+            while i < n and gbnf[i] != "\n":
+                i += 1
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return deepest
+
+
 def _compile(gbnf: str, vocab: ctypes.c_void_p | None) -> ctypes.c_void_p:
     if not gbnf.strip():
         raise GrammarError("the grammar is empty")
@@ -126,6 +155,9 @@ def _compile(gbnf: str, vocab: ctypes.c_void_p | None) -> ctypes.c_void_p:
                            "characters")
     if "\x00" in gbnf:
         raise GrammarError("the grammar contains a NUL character")
+    if grammar_nesting(gbnf) > MAX_GRAMMAR_NESTING:
+        raise GrammarError("the grammar nests parentheses deeper than "
+                           f"{MAX_GRAMMAR_NESTING}")
     sampler = llama_cpp.llama_sampler_init_grammar(
         vocab, gbnf.encode("utf-8"), b"root")
     if not sampler:
