@@ -41,8 +41,12 @@ MAX_SCHEMA_REPETITION = 256
 MAX_SCHEMA_REPETITIONS_TOTAL = 2048
 #: Deepest nesting of objects and arrays in a schema (the converter recurses).
 MAX_SCHEMA_DEPTH = 32
-#: Largest grammar accepted, given or converted (characters).
+#: Largest grammar accepted, converted from a schema (characters).
 MAX_GRAMMAR_CHARS = 256 * 1024
+#: Largest grammar a client may give. llama.cpp's parser prints a grammar it
+#: refuses, whole, to stderr (``fprintf``, past its log callback), so this
+#: also bounds what one bad request adds to a log.
+MAX_GIVEN_GRAMMAR_CHARS = 64 * 1024
 #: Deepest nesting of parentheses in a grammar. llama.cpp's parser recurses
 #: once per level: 100,000 levels overflow the stack and kill the process
 #: (SIGSEGV). The converter nests one level per optional repetition, so this
@@ -110,16 +114,20 @@ def schema_to_gbnf(schema: Any) -> str:
         raise GrammarError("the schema is too deeply nested") from None
     except Exception as exc:  # the converter asserts and raises freely
         raise GrammarError(f"unsupported schema: {str(exc)[:200]}") from None
-    check_gbnf(gbnf)
+    _free(_compile(gbnf, None))
     return gbnf
 
 
 def check_gbnf(gbnf: str, vocab: ctypes.c_void_p | None = None) -> None:
-    """Raise ``GrammarError`` unless llama.cpp's parser accepts ``gbnf``.
+    """Raise ``GrammarError`` unless llama.cpp's parser accepts ``gbnf``, a
+    grammar given by a client.
 
     Without a vocabulary, token references (``<[id]>``) do not parse; the
     worker checks again with its own.
     """
+    if len(gbnf) > MAX_GIVEN_GRAMMAR_CHARS:
+        raise GrammarError(f"the grammar is longer than {MAX_GIVEN_GRAMMAR_CHARS} "
+                           "characters")
     _free(_compile(gbnf, vocab))
 
 
