@@ -19,6 +19,11 @@ import openai
 import pytest
 
 from llamapool.test_model import EOS_ID
+from protocol.errors import ErrorCode
+from protocol.payloads import GenerationRequest
+from workers.model.engine import RequestRejected
+from workers.model.llama_engine import LlamaEngine
+from workers.model.synthetic_engine import SyntheticEngine
 
 pytestmark = pytest.mark.stack
 
@@ -300,3 +305,41 @@ def test_n_predict_overrides_max_tokens(whole_pool):
         r = httpx.post(whole_pool.url + path, timeout=60, json={
             **body, "max_tokens": 2, "n_predict": 7, "ignore_eos": True})
         assert r.json()["usage"]["completion_tokens"] == 7, r.text
+
+
+# --- engines never ignore the fields either ---------------------------------------
+
+
+class _Sink:
+    def emit(self, *args, **kwargs):
+        pass
+
+    def should_stop(self):
+        return False
+
+    def wait_for_credit(self):
+        return True
+
+    def report_progress(self, *args):
+        pass
+
+
+def test_worker_refuses_a_grammar_its_vocabulary_cannot_compile(tiny_model):
+    """The frontend cannot resolve token references; the worker checks them
+    against its vocabulary and refuses with a code the frontend shows as 400."""
+    engine = LlamaEngine(str(tiny_model), n_ctx=256, n_threads=1)
+    with pytest.raises(RequestRejected) as refused:
+        engine.run(GenerationRequest("completion", "Hi", max_tokens=2,
+                                     grammar="root ::= <[99999]>"), _Sink())
+    assert refused.value.code == ErrorCode.INVALID_GRAMMAR
+    result = engine.run(GenerationRequest("completion", "Hi", max_tokens=2,
+                                          grammar="root ::= <[320]>"), _Sink())
+    assert result.finish_reason == "stop" and result.completion_tokens == 1
+
+
+@pytest.mark.parametrize("field", [{"grammar": 'root ::= "a"'}, {"logprobs": 2}])
+def test_synthetic_engine_refuses_what_needs_a_model(field):
+    with pytest.raises(RequestRejected) as refused:
+        SyntheticEngine(tokens_per_second=1000).run(
+            GenerationRequest("completion", "Hi", max_tokens=2, **field), _Sink())
+    assert refused.value.code == ErrorCode.UNSUPPORTED_FIELD

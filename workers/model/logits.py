@@ -11,6 +11,7 @@ every ban, and its dead-end check covers them all.
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Any
 
 import llama_cpp
@@ -116,9 +117,10 @@ class RequestLogits:
         if request.grammar:
             self.grammar = GrammarConstraint(request.grammar, vocab, n_vocab, eog_ids)
             self.processors.append(self.grammar.mask)
-        elif bias or request.sampling.ignore_eos:
+        elif any(math.isinf(b) for b in bias.values()):
             # Bans alone can leave no token: end generation, never sample from
-            # nothing (NaN probabilities in llama.cpp's samplers).
+            # nothing (NaN probabilities in llama.cpp's samplers). Banning the
+            # end tokens alone (ignore_eos) cannot.
             self.processors.append(self._never_empty)
 
     def processor_list(self) -> llama_cpp.LogitsProcessorList | None:
