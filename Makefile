@@ -37,7 +37,7 @@ faults: $(STAMP_TEST)
 # short smoke run.
 .PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop \
 	bench-curve-roles bench-slow-clients bench-rogue-final bench-prompt-size \
-	bench-retry-after
+	bench-retry-after bench-limits
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -69,6 +69,11 @@ bench-prompt-size: $(STAMP_TEST)
 
 bench-retry-after: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_retry_after $(BENCH_ARGS)
+
+# The issue's attacks on the broker (huge messages, unread STATUS, fake
+# workers) against this checkout: run it on two checkouts to compare.
+bench-limits: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_limits $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -25,6 +25,7 @@ import uuid
 import zmq
 
 from frontend import metrics
+from frontend.errors import PayloadTooLarge
 from protocol import messages
 from protocol.curve import ClientKeys
 from protocol.errors import ErrorCode
@@ -122,11 +123,24 @@ class BrokerLink(LinkHandler):
 
     def submit(self, job_id: str, request: GenerationRequest,
                prefix_blocks: list[int] | None = None) -> JobStream:
-        """Open the job's stream, then send SUBMIT (so no frame can be missed)."""
+        """Open the job's stream, then send SUBMIT (so no frame can be missed).
+
+        Raises:
+            PayloadTooLarge: the SUBMIT would exceed the wire's ceiling
+                (``protocol.limits.MAX_SUBMIT_BYTES``).
+        """
         self.start()
+        msg = messages.Submit(job_id, request, prefix_blocks or [])
+        size = len(msg.to_wire()[2])
+        if size > messages.Submit.LIMITS.max_bytes:
+            # The broker would drop it as malformed and the client would wait
+            # for nothing: refuse here, naming the limit.
+            raise PayloadTooLarge(
+                f"the request encodes to {size} bytes for the pool; at most "
+                f"{messages.Submit.LIMITS.max_bytes}")
         stream = JobStream(job_id)
         self._streams[job_id] = stream
-        self.send(messages.Submit(job_id, request, prefix_blocks or []))
+        self.send(msg)
         return stream
 
     def forget(self, job_id: str) -> None:
@@ -192,6 +206,12 @@ class BrokerLink(LinkHandler):
             self._fail_all(ErrorCode.BROKER_RESTARTED, "the broker restarted",
                            accepted_only=True)
             self._conn.send(messages.Hello(os.getpid(), socket.gethostname()))
+            # The broker answers STATUS only to registered frontends, so a
+            # STATUS it refused with this DISCONNECT is asked again, after
+            # the HELLO (frames are ordered): /health does not fail for a
+            # broker restart it could have answered.
+            for request_id in list(self._status_waiters):
+                self._conn.send(messages.Status(request_id))
 
     def on_lost(self, silent_s: float) -> None:
         self._latest_status = None

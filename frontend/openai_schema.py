@@ -19,6 +19,7 @@ from typing import Any
 from frontend.errors import BadRequest
 from frontend.field_policy import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from frontend.output_constraints import grammar_of
+from protocol.limits import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS_WITH_LOGPROBS
 from protocol.payloads import (
     CHAT,
     CHAT_ROLES,
@@ -35,8 +36,6 @@ MAX_STOP_STRINGS = 16
 #: OpenAI's default ``max_tokens`` for completions (chat has none: the rest
 #: of the context).
 COMPLETION_MAX_TOKENS = 16
-#: Most ``logit_bias`` entries per request.
-MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +218,16 @@ def _chat_logprobs(body: dict) -> int | None:
     return top or 0
 
 
+def _check_stops_with_logprobs(generation: GenerationRequest) -> None:
+    """Tokens held back behind a stop-string prefix travel with their
+    log-probabilities in one frame, whose size the wire bounds."""
+    if generation.logprobs is not None and any(
+            len(s) > MAX_STOP_CHARS_WITH_LOGPROBS for s in generation.stop):
+        raise BadRequest(f"with logprobs, a stop string is at most "
+                         f"{MAX_STOP_CHARS_WITH_LOGPROBS} characters",
+                         param="stop")
+
+
 def _tools(body: dict) -> None:
     if body.get("tools") or body.get("functions"):
         raise BadRequest("tool calling is not supported", param="tools")
@@ -277,6 +286,7 @@ def parse_completion(body: Any) -> ParsedRequest:
         grammar=grammar_of(body),
         logprobs=_completion_logprobs(body),
     )
+    _check_stops_with_logprobs(generation)
     return ParsedRequest(generation, stream, include_usage, _model(body))
 
 
@@ -330,4 +340,5 @@ def parse_chat(body: Any) -> ParsedRequest:
         grammar=grammar_of(body),
         logprobs=_chat_logprobs(body),
     )
+    _check_stops_with_logprobs(generation)
     return ParsedRequest(generation, stream, include_usage, _model(body))

@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     setting_flag(broker, "--frontends", B, "frontends_endpoint")
     setting_flag(broker, "--workers", B, "workers_endpoint")
     setting_flag(broker, "--metrics-port", B, "metrics_port", type=_non_negative_int)
+    setting_flag(broker, "--max-workers", B, "max_workers", type=_positive_int)
+    setting_flag(broker, "--first-frame-timeout-s", B, "first_frame_timeout_s",
+                 type=_positive_float)
     _add_liveness_flags(broker, B)
     setting_flag(broker, "--curve-secret-key", B, "curve_secret_key")
     setting_flag(broker, "--curve-authorized-workers", B, "curve_authorized_workers")

@@ -39,6 +39,9 @@ class ErrorCode(str, enum.Enum):
     # The worker sent a frame for the job that does not decode (a broken or
     # rogue worker): the job fails and the worker is disconnected.
     WORKER_PROTOCOL_ERROR = "worker_protocol_error"
+    #: The worker showed no sign of a job it was given within
+    #: ``--first-frame-timeout-s`` (a fake or wedged worker); it was dropped.
+    WORKER_UNRESPONSIVE = "worker_unresponsive"
     # The frontend ended the job: its link lost the broker, or no frame came.
     BROKER_UNREACHABLE = "broker_unreachable"
     BROKER_RESTARTED = "broker_restarted"

@@ -38,7 +38,7 @@ import weakref
 
 import zmq
 
-from protocol import messages
+from protocol import limits, messages
 from protocol.curve import ClientKeys
 
 log = logging.getLogger("llamapool.link")
@@ -244,6 +244,10 @@ class BrokerConnection:
         # credit window bounds what is in flight (see ``protocol.timing``).
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        # The largest frame the broker sends (a SUBMIT to a worker, a STATUS
+        # reply to a frontend); libzmq drops a "broker" that sends more
+        # before buffering it, and the liveness window brings a new DEALER.
+        sock.setsockopt(zmq.MAXMSGSIZE, limits.MAX_FRAME_FROM_BROKER)
         if self.curve is not None:
             self.curve.apply(sock)
         sock.connect(self.endpoint)

@@ -24,6 +24,8 @@ Peers and what they send:
 
 ``decode`` validates every field's type at the socket edge and raises
 ``MalformedMessage``; callers log, count and drop. Nothing is ever unpickled.
+Each command has size limits (``protocol.limits``), enforced before and
+while its body is unpacked, so a hostile body costs little to refuse.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import ClassVar
 
 import msgpack
 
+from protocol import limits
 from protocol.payloads import (
     GenerationRequest,
     JobProgress,
@@ -47,6 +50,7 @@ from protocol.records import (
     MalformedMessage,
     OneOf,
     Optional,
+    Text,
     WireRecord,
     wire_record,
 )
@@ -57,9 +61,9 @@ from protocol.records import (
 #: drop as unknown trailing fields and so silently ignore).
 PROTOCOL_HEADER = b"LLAMAPOOL04"
 
-#: Largest body accepted from the network. A SUBMIT carries the whole prompt,
-#: so this bounds what a peer can make us allocate.
-MAX_BODY_BYTES = 16 * 1024 * 1024
+#: Largest body any command accepts (a STATUS reply); each command has its
+#: own, smaller or equal, ceiling (``Message.LIMITS``).
+MAX_BODY_BYTES = limits.MAX_FRAME_FROM_BROKER
 
 
 # Field kinds (``protocol.records``): scalars as tuples of accepted types.
@@ -67,6 +71,11 @@ _STR = (str,)
 _INT = (int,)
 _NUM = (int, float)
 _MAP = (dict,)
+# Strings the broker keeps (``protocol.limits``).
+_HOST = Text(limits.MAX_HOST_CHARS)
+_NAME = Text(limits.MAX_NAME_CHARS)
+_ID = Text(limits.MAX_ID_CHARS)
+_REASON = Text(limits.MAX_REASON_CHARS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +83,9 @@ class Message(WireRecord):
     """Base class. Subclasses set ``COMMAND`` and declare typed fields."""
 
     COMMAND: ClassVar[bytes]
+    #: What a body of this command may contain (``protocol.limits``).
+    LIMITS: ClassVar[limits.BodyLimits]
+    _UNPACK_KW: ClassVar[dict]
 
     def to_wire(self) -> list[bytes]:
         """Encode as the frames that follow any routing identity."""
@@ -83,12 +95,17 @@ class Message(WireRecord):
 _BY_COMMAND: dict[bytes, type[Message]] = {}
 
 
-def _register(command: int, **field_types: Kind):
-    """Class decorator: bind a command byte and the accepted field kinds."""
+def _register(command: int, body_limits: limits.BodyLimits = limits.SMALL,
+              **field_types: Kind):
+    """Class decorator: bind a command byte, its size limits and the accepted
+    field kinds."""
 
     def wrap(cls: type[Message]) -> type[Message]:
         cls = wire_record(**field_types)(cls)
         cls.COMMAND = bytes([command])
+        cls.LIMITS = body_limits
+        cls._UNPACK_KW = {"raw": False, "strict_map_key": True,
+                          **body_limits.unpack_kwargs()}
         _BY_COMMAND[cls.COMMAND] = cls
         return cls
 
@@ -98,8 +115,8 @@ def _register(command: int, **field_types: Kind):
 # --- registration and liveness ---------------------------------------------
 
 
-@_register(0x01, worker_name=_STR, model=_STR, n_ctx=_INT, pid=_INT, host=_STR,
-           engine=_STR)
+@_register(0x01, worker_name=_NAME, model=_NAME, n_ctx=_INT, pid=_INT,
+           host=_HOST, engine=_NAME)
 class Ready(Message):
     """Worker -> broker: the model is loaded and this worker is idle."""
 
@@ -111,7 +128,7 @@ class Ready(Message):
     engine: str = "llama.cpp"
 
 
-@_register(0x05, worker_name=_STR, model=_STR, pid=_INT, host=_STR)
+@_register(0x05, worker_name=_NAME, model=_NAME, pid=_INT, host=_HOST)
 class Loading(Message):
     """Worker -> broker: I exist and am loading ``model``; no jobs yet."""
 
@@ -121,7 +138,7 @@ class Loading(Message):
     host: str
 
 
-@_register(0x02, pid=_INT, host=_STR)
+@_register(0x02, pid=_INT, host=_HOST)
 class Hello(Message):
     """Frontend -> broker: register this frontend process."""
 
@@ -137,7 +154,7 @@ class Heartbeat(Message):
     progress: JobProgress | None = None
 
 
-@_register(0x04, reason=_STR)
+@_register(0x04, reason=_REASON)
 class Disconnect(Message):
     """Broker -> peer: I do not know you (any more); register again."""
 
@@ -147,7 +164,7 @@ class Disconnect(Message):
 # --- jobs --------------------------------------------------------------------
 
 
-@_register(0x10, job_id=_STR, request=GenerationRequest,
+@_register(0x10, limits.SUBMIT, job_id=_ID, request=GenerationRequest,
            prefix_blocks=ListOf(_INT))
 class Submit(Message):
     """Frontend -> broker -> worker: run one generation.
@@ -197,7 +214,7 @@ class Credit(Message):
     frames: int
 
 
-@_register(0x15, job_id=_STR, text=_STR, n_tokens=_INT,
+@_register(0x15, limits.JOB_FRAME, job_id=_STR, text=_STR, n_tokens=_INT,
            logprobs=ListOf(TokenLogprob))
 class Token(Message):
     """Worker -> broker -> frontend: new output text covering ``n_tokens``.
@@ -215,8 +232,9 @@ class Token(Message):
 FINISH_REASONS = ("stop", "length", "cancelled")
 
 
-@_register(0x16, job_id=_STR, finish_reason=OneOf(*FINISH_REASONS), usage=Usage,
-           timings=Timings, text=_STR, logprobs=ListOf(TokenLogprob))
+@_register(0x16, limits.JOB_FRAME, job_id=_STR,
+           finish_reason=OneOf(*FINISH_REASONS), usage=Usage, timings=Timings,
+           text=_STR, logprobs=ListOf(TokenLogprob))
 class Final(Message):
     """Terminal frame: the job ended with ``finish_reason``.
 
@@ -235,7 +253,7 @@ class Final(Message):
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
-@_register(0x17, job_id=_STR, code=_STR, message=_STR)
+@_register(0x17, limits.JOB_FRAME, job_id=_STR, code=_STR, message=_REASON)
 class Error(Message):
     """Terminal frame: the job failed.
 
@@ -252,14 +270,14 @@ class Error(Message):
 # --- introspection -------------------------------------------------------------
 
 
-@_register(0x20, request_id=_STR)
+@_register(0x20, request_id=_ID)
 class Status(Message):
     """Frontend (or any tool) -> broker: send me the ledger."""
 
     request_id: str
 
 
-@_register(0x21, request_id=_STR, snapshot=PoolStatus)
+@_register(0x21, limits.STATUS_REPLY, request_id=_STR, snapshot=PoolStatus)
 class StatusReply(Message):
     """Broker -> asker: the ledger and the pool's totals (``Broker.snapshot``)."""
 
@@ -285,10 +303,19 @@ def decode(frames: list[bytes]) -> Message:
     cls = _BY_COMMAND.get(bytes(command))
     if cls is None:
         raise MalformedMessage(f"unknown command {bytes(command[:4])!r}")
-    if len(body) > MAX_BODY_BYTES:
-        raise MalformedMessage(f"body of {len(body)} bytes is too large")
+    body_limits = cls.LIMITS
+    if len(body) > body_limits.max_bytes:
+        raise MalformedMessage(
+            f"{cls.__name__} body of {len(body)} bytes is too large "
+            f"(at most {body_limits.max_bytes})")
+    kwargs = cls._UNPACK_KW
+    if body_limits.max_containers is not None:
+        budget = _ContainerBudget(body_limits.max_containers)
+        kwargs = {**kwargs, "list_hook": budget, "object_hook": budget}
     try:
-        fields = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        fields = msgpack.unpackb(body, **kwargs)
+    except MalformedMessage:
+        raise
     except Exception as exc:  # msgpack raises several unrelated types
         raise MalformedMessage(f"bad msgpack body: {exc.__class__.__name__}") from None
     return cls.from_body(fields)
@@ -301,6 +328,23 @@ def command_class(frames: list[bytes]) -> type[Message] | None:
     if len(frames) < 2 or frames[0] != PROTOCOL_HEADER:
         return None
     return _BY_COMMAND.get(bytes(frames[1]))
+
+
+class _ContainerBudget:
+    """msgpack's list and object hook: refuses a body with too many arrays
+    and maps, as soon as one too many is built (the length limits bound one
+    container, not how many there are)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, max_containers: int) -> None:
+        self.left = max_containers
+
+    def __call__(self, container):
+        self.left -= 1
+        if self.left < 0:
+            raise MalformedMessage("too many arrays and maps in one body")
+        return container
 
 
 def all_message_classes() -> list[type[Message]]:

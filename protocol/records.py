@@ -21,6 +21,7 @@ A field's kind is one of:
   checked too (a token count, a duration, a rate, a log-probability), so NaN,
   infinity or a negative never reaches arithmetic, JSON or a Prometheus
   counter.
+* ``Text(max_chars)``: a string of bounded length (``protocol.limits``).
 
 New optional fields go at the end with defaults, so an older peer's shorter
 array still decodes, and a newer peer's extra trailing fields are ignored.
@@ -111,6 +112,26 @@ class Optional:
         return value if value is None or self._pack is None else self._pack(value)
 
 
+class Text:
+    """A string of at most ``max_chars`` characters: for what a receiver keeps
+    (a host name in the ledger), so that a peer cannot park a megabyte there
+    with a message that is otherwise valid."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+
+    def check(self, value: Any, where: str) -> str:
+        if value.__class__ is not str:
+            raise MalformedMessage(f"{where}: {type(value).__name__}")
+        if len(value) > self.max_chars:
+            raise MalformedMessage(
+                f"{where}: {len(value)} characters, at most {self.max_chars}")
+        return value
+
+    def pack(self, value: str) -> str:
+        return value
+
+
 class OneOf:
     """A string from a closed set (a request's kind, a chat role)."""
 
@@ -176,8 +197,8 @@ class Finite:
         return value
 
 
-Kind = Union[tuple, ListOf, MapOf, Optional, OneOf, Count, NonNegative, Finite,
-             "type[WireRecord]"]
+Kind = Union[tuple, ListOf, MapOf, Optional, OneOf, Text, Count, NonNegative,
+             Finite, "type[WireRecord]"]
 
 
 def _checker(kind: Kind):

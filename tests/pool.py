@@ -108,7 +108,9 @@ def cli(*args: str) -> list[str]:
 
 
 class BrokerProbe:
-    """Asks the broker for its ledger over the real frontend socket.
+    """Asks the broker for its ledger over the real frontend socket, as a
+    frontend does: registered with HELLO (the broker answers STATUS only to
+    registered frontends), and again after a DISCONNECT (a broker restart).
 
     ``keys`` (``protocol.curve.ClientKeys``) makes it an authorized CURVE
     client, for brokers that require one.
@@ -122,6 +124,11 @@ class BrokerProbe:
         if keys is not None:
             keys.apply(self.sock)
         self.sock.connect(endpoint)
+        self._hello()
+
+    def _hello(self) -> None:
+        self.sock.send_multipart(
+            messages.Hello(os.getpid(), "broker-probe").to_wire())
 
     def status(self, timeout_s: float = 2.0) -> dict | None:
         """The broker's snapshot as a dict (``PoolStatus.to_dict``), or None."""
@@ -134,6 +141,10 @@ class BrokerProbe:
             msg = messages.decode(self.sock.recv_multipart())
             if isinstance(msg, messages.StatusReply) and msg.request_id == request_id:
                 return msg.snapshot.to_dict()
+            if isinstance(msg, messages.Disconnect):
+                # A (re)started broker does not know us: register, ask again.
+                self._hello()
+                self.sock.send_multipart(messages.Status(request_id).to_wire())
         return None
 
     def close(self) -> None:
@@ -149,7 +160,8 @@ class Pool:
                  api_keys: tuple[str, ...] = (), frontend_env: dict | None = None,
                  worker_args: tuple[str, ...] = (), wait_ready: bool = True,
                  global_args: tuple[str, ...] = (),
-                 frontend_tokenizes: bool = True) -> None:
+                 frontend_tokenizes: bool = True,
+                 broker_args: tuple[str, ...] = ()) -> None:
         self.model_path = model_path
         self.run_dir = run_dir
         self.frontends_ep = f"ipc://{run_dir}/frontends"
@@ -159,6 +171,7 @@ class Pool:
         self.api_keys = api_keys
         self.worker_args = worker_args
         self.global_args = global_args
+        self.broker_args = broker_args
         self.broker = self._start_broker()
         self.workers: list[Proc] = []
         self._worker_serial = 0
@@ -185,7 +198,8 @@ class Pool:
 
     def _start_broker(self) -> Proc:
         return Proc("broker", cli("broker", "--frontends", self.frontends_ep,
-                                  "--workers", self.workers_ep, *TEST_HEARTBEAT),
+                                  "--workers", self.workers_ep, *TEST_HEARTBEAT,
+                                  *self.broker_args),
                     self.run_dir)
 
     def start_worker(self) -> Proc:

@@ -145,6 +145,7 @@ def test_grammar_dead_end_stops_and_the_worker_lives(whole_pool):
     ({"logit_bias": [[1, 2, 3]]}, "logit_bias"),
     ({"logit_bias": 7}, "logit_bias"),
     ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": 2, "stop": ["x" * 300]}, "stop"),
     ({"n_probs": -1}, "n_probs"),
     ({"n_predict": -2}, "n_predict"),
     ({"mirostat": 2}, "mirostat"),
@@ -284,6 +285,23 @@ def test_completion_logprobs_legacy_shape(client):
     assert tokens == lp.tokens
 
 
+def test_logprobs_of_tokens_held_behind_a_long_stop_prefix(whole_pool):
+    """A stop string that never completes holds its matching prefix back; the
+    held tokens' entries go out together at the end, within the wire's
+    per-frame limit."""
+    greedy = httpx.post(whole_pool.url + "/v1/completions", timeout=60, json={
+        "prompt": "Hello", "max_tokens": 40, "temperature": 0,
+        "ignore_eos": True}).json()["choices"][0]["text"]
+    stop = greedy + "x" * (256 - len(greedy))  # all of it is a prefix
+    r = httpx.post(whole_pool.url + "/v1/completions", timeout=60, json={
+        "prompt": "Hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+        "logprobs": 20, "stop": [stop]})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == greedy
+    assert len(choice["logprobs"]["tokens"]) == 40
+
+
 def test_native_n_probs_and_no_logprobs_by_default(whole_pool):
     r = httpx.post(whole_pool.url + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
@@ -325,12 +343,13 @@ class _Sink:
 
 
 def test_worker_refuses_a_grammar_its_vocabulary_cannot_compile(tiny_model):
-    """The frontend cannot resolve token references; the worker checks them
-    against its vocabulary and refuses with a code the frontend shows as 400."""
+    """The frontend cannot resolve a token written as text (``<hello>``); the
+    worker tokenises it and refuses, with a code the frontend shows as 400, a
+    text that is not exactly one token."""
     engine = LlamaEngine(str(tiny_model), n_ctx=256, n_threads=1)
     with pytest.raises(RequestRejected) as refused:
         engine.run(GenerationRequest("completion", "Hi", max_tokens=2,
-                                     grammar="root ::= <[99999]>"), _Sink())
+                                     grammar="root ::= <not-one-token>"), _Sink())
     assert refused.value.code == ErrorCode.INVALID_GRAMMAR
     result = engine.run(GenerationRequest("completion", "Hi", max_tokens=2,
                                           grammar="root ::= <[320]>"), _Sink())

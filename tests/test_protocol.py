@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol import messages
+from protocol import limits, messages
 from protocol.records import (
     Count,
     Finite,
@@ -18,6 +18,7 @@ from protocol.records import (
     NonNegative,
     OneOf,
     Optional,
+    Text,
 )
 
 SAMPLE_VALUES = {
@@ -49,6 +50,8 @@ def sample_value(kind):
         return 2.5
     if isinstance(kind, Finite):
         return -0.25
+    if isinstance(kind, Text):
+        return "x" * kind.max_chars  # at its cap: still valid
     return sample(kind)  # a nested record
 
 
@@ -111,9 +114,66 @@ def test_malformed_frames_are_rejected(frames, why):
 
 
 def test_oversized_body_is_rejected_before_unpacking():
-    body = b"\x00" * (messages.MAX_BODY_BYTES + 1)
+    body = b"\x00" * (limits.MAX_SUBMIT_BYTES + 1)
     with pytest.raises(messages.MalformedMessage, match="too large"):
         messages.decode([messages.PROTOCOL_HEADER, messages.Submit.COMMAND, body])
+    # Small commands have small ceilings: a 100 KiB heartbeat is refused.
+    with pytest.raises(messages.MalformedMessage, match="too large"):
+        messages.decode([messages.PROTOCOL_HEADER, messages.Heartbeat.COMMAND,
+                         b"\x91" + b"\xc0" * 100_000])
+
+
+H = messages.PROTOCOL_HEADER
+
+
+def test_many_small_containers_are_refused_cheaply():
+    """The issue's attack: a body of millions of empty arrays (or maps) used to
+    be unpacked in full (seconds, gigabytes) before any field was checked."""
+    import time
+    # Five arrays of 200 000 (each within the longest array a SUBMIT needs).
+    n = 200_000
+    assert n <= limits.SUBMIT.max_array_len
+    for empty in (b"\x90", b"\x80"):  # an empty array, an empty map
+        many = (b"\xdd" + n.to_bytes(4, "big") + empty * n) * 5
+        body = b"\x93\xa1j\x95" + many + b"\x90"
+        started = time.perf_counter()
+        with pytest.raises(messages.MalformedMessage):
+            messages.decode([H, messages.Submit.COMMAND, body])
+        # Generous (a loaded machine); unbounded decoding took seconds.
+        assert time.perf_counter() - started < 0.5
+    # A length header claiming more than the command needs is refused at once.
+    huge = b"\xdd" + (2**31).to_bytes(4, "big")
+    with pytest.raises(messages.MalformedMessage, match="msgpack"):
+        messages.decode([H, messages.Status.COMMAND, huge])
+    with pytest.raises(messages.MalformedMessage, match="Cancel.job_id: bytes"):
+        messages.decode([H, messages.Cancel.COMMAND,
+                         msgpack.packb([b"binary is never used"])])
+    with pytest.raises(messages.MalformedMessage, match="msgpack"):
+        messages.decode([H, messages.Cancel.COMMAND,
+                         msgpack.packb([msgpack.ExtType(1, b"nor ext")])])
+
+
+@pytest.mark.parametrize("field", ["host", "worker_name", "model", "engine"])
+def test_registration_strings_have_length_caps(field):
+    good = messages.Ready("w", "m", 2048, 1, "h", "llama.cpp")
+    cap = messages.Ready.FIELD_TYPES[field].max_chars
+    assert cap <= limits.MAX_NAME_CHARS
+    body = good.to_body()
+    body[list(messages.Ready.FIELD_TYPES).index(field)] = "x" * (cap + 1)
+    with pytest.raises(messages.MalformedMessage, match=f"{field}: {cap + 1} char"):
+        messages.decode([H, messages.Ready.COMMAND, msgpack.packb(body)])
+    assert messages.Hello.FIELD_TYPES["host"].max_chars == limits.MAX_HOST_CHARS == 255
+
+
+def test_the_largest_valid_submit_decodes():
+    from protocol.payloads import ChatMessage, GenerationRequest
+    turns = [ChatMessage("user", "hi")] * (limits.MAX_CHAT_MESSAGES // 2)
+    request = GenerationRequest("chat", messages=turns,
+                                prompt_tokens=[65535] * 100_000)
+    msg = messages.Submit("j" * limits.MAX_ID_CHARS, request, list(range(128)))
+    frames = msg.to_wire()
+    assert len(frames[2]) < limits.MAX_SUBMIT_BYTES
+    assert messages.decode(frames) == msg
 
 
 @given(st.lists(st.binary(max_size=64), max_size=5))

@@ -223,7 +223,9 @@ def test_unlisted_key_is_refused_and_counted(tmp_path, keys, tiny_model):
         assert snap["slots_total"] == 1
         assert [s["pid"] for s in snap["slots"]] == [worker.pid]
         assert snap["counters"].get("submitted", 0) == 0
-        assert snap["frontends"] == 0  # the rogue HELLO never arrived
+        # Only the probe itself (it registers, as STATUS needs): the rogue
+        # HELLO never arrived.
+        assert snap["frontends"] == 1
         assert "worker registered" not in rogue_worker.log()
         # The refused worker says why, instead of waiting in silence. Each
         # socket it makes lives one silence window (0.6 s here) before it

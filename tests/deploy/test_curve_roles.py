@@ -213,7 +213,7 @@ def test_worker_key_cannot_submit(tmp_path, role_keys, endpoints, tiny_model,
         assert not raw.poll(100)
         snap = probe.status()
         assert snap["counters"].get("submitted", 0) == 0
-        assert snap["frontends"] == 0  # neither HELLO arrived
+        assert snap["frontends"] == 1  # the probe; neither impostor HELLO arrived
         assert snap["counters"]["curve_refused_frontends"] >= 2
         assert snap["counters"]["curve_refused_workers"] == 0
         assert [s["pid"] for s in snap["slots"]] == [worker.pid]

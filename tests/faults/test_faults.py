@@ -295,7 +295,9 @@ def test_garbage_on_every_zeromq_socket(fault_pool):
     sent = 0
     for endpoint in (pool.frontends_ep, pool.workers_ep):
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 1000)
+        # The broker takes a peer's frames a few dozen at a time (its
+        # RCVHWM): the rest wait here, so give them time to leave.
+        sock.setsockopt(zmq.LINGER, 30_000)
         sock.connect(endpoint)
         for frames in garbage_messages(rng):
             sock.send_multipart(frames)

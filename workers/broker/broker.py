@@ -8,10 +8,23 @@ job's frames back to the frontend that asked, and frees the slot when the
 terminal frame passes, and at no other moment.
 
 Flow control: both ROUTERs set ``ROUTER_MANDATORY`` so that a send to a gone
-peer raises instead of vanishing, and an unlimited send high-water mark so a
-full pipe never drops a frame silently. Memory stays bounded because a worker
-has at most ``CREDIT_WINDOW_FRAMES`` TOKEN frames in flight per job; the
-frontend grants more only as its HTTP client reads.
+peer raises instead of vanishing, and a send to a full pipe raises EAGAIN
+instead of blocking the loop or dropping a frame silently (``_SNDHWM``).
+A worker has at most ``CREDIT_WINDOW_FRAMES`` TOKEN frames in flight per job
+(the frontend grants more only as its HTTP client reads), and a real
+frontend's link thread reads everything the broker sends at once, into its
+own memory. So a frontend whose pipe is full is frozen or hostile (it asks
+and never reads): the broker treats it as gone (cancels its jobs, forgets
+it) and sends it nothing more until it registers again. A worker whose pipe
+is full is treated as dead. What one peer can park in the broker is
+therefore at most ``_SNDHWM`` messages out and ``_RCVHWM`` frames in, each
+at most the size limit of its kind (``protocol.limits``).
+
+Limits (``protocol.limits``): every frame is at most ``ZMQ_MAXMSGSIZE`` (libzmq
+drops a peer that sends more), every body is decoded with its command's
+limits, and STATUS is answered only to registered frontends. The loop never
+spends more than ``_DRAIN_BUDGET_S`` (plus one message) on one socket before
+it heartbeats and expires peers, so no backlog starves the heartbeats.
 
 On restart the ledger is empty. Workers and frontends that heartbeat an
 unknown identity get DISCONNECT and register again, which rebuilds it.
@@ -25,14 +38,16 @@ import time
 
 import zmq
 
-from protocol import curve, messages, timing
+from protocol import curve, limits, messages, timing
 from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
+from protocol.log_throttle import LogThrottle
 from protocol.payloads import PoolStatus
 from protocol.prefix import MAX_BLOCKS
 from workers.broker import ledger as ledger_mod
 from workers.broker.metrics import LatestSnapshotCollector
 from workers.broker.pool_stats import PoolStats
+from workers.broker.restarts import HostDeaths
 from workers.broker.security import BrokerSecurity
 from workers.broker.settings import BrokerSettings
 
@@ -41,6 +56,21 @@ log = logging.getLogger("llamapool.broker")
 #: Messages handled per socket per poll round, so one busy side cannot
 #: starve the other or the heartbeat timer.
 _BATCH = 256
+#: Time one socket's drain may take per round (checked between messages, so
+#: a round can overrun by one message: at most ~0.1 s for the largest
+#: SUBMIT). Far below any liveness window, so heartbeats keep their pace
+#: whatever a peer floods us with.
+_DRAIN_BUDGET_S = 0.05
+#: Messages queued per peer towards it. A live peer reads at once; this is
+#: room for bursts (a frontend streaming many jobs' TOKEN frames while its
+#: process is descheduled), not a buffer anyone should fill.
+_SNDHWM = 10_000
+#: Frames queued per peer towards us. Small: a peer that sends faster than
+#: we read waits (back-pressure: its own DEALER keeps the rest, nothing is
+#: dropped), and a flood of maximal frames parks at most this many of them
+#: here (32 x 2 MiB). The price: a peer that closes its socket with a short
+#: linger right after a burst may lose the tail of the burst.
+_RCVHWM = 32
 
 
 class Broker:
@@ -59,7 +89,15 @@ class Broker:
         self.stats = PoolStats()
         # Deaths per host not yet followed by a new registration from that
         # host: the next READY from it counts as a restart.
-        self._deaths_by_host: collections.Counter[str] = collections.Counter()
+        self._deaths_by_host = HostDeaths(settings.max_workers)
+        # Peer-driven log lines (registrations, losses) at a bounded rate.
+        self._log = LogThrottle(log)
+        # Frontends whose send pipe was full; dropped after the current
+        # message (never in the middle of handling one).
+        self._stuck_frontends: set[bytes] = set()
+        for name in ("worker_refused_full", "worker_unresponsive",
+                     "frontend_send_full", "malformed_dropped"):
+            self.counters[name] = 0  # exported from the start, as zeros
         self._frontend_sock: zmq.Socket | None = None
         self._worker_sock: zmq.Socket | None = None
         self._sd = notifier or SilentNotifier()
@@ -84,11 +122,14 @@ class Broker:
 
     # --- sockets ---------------------------------------------------------------
 
-    def _router(self, endpoint: str, role: str) -> zmq.Socket:
+    def _router(self, endpoint: str, role: str, max_frame_bytes: int) -> zmq.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
+        # libzmq drops the connection of a peer that sends a larger frame,
+        # before buffering it (the body frame is the large one).
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         sock.setsockopt(zmq.LINGER, 0)
         self.security.configure(sock, role)
         sock.bind(endpoint)
@@ -101,9 +142,10 @@ class Broker:
         self.security.start(self.ctx)
         self._allowed_keys = self.security.current_keys()
         self._frontend_sock = self._router(self.settings.frontends_endpoint,
-                                           curve.FRONTENDS)
+                                           curve.FRONTENDS,
+                                           limits.MAX_FRAME_FROM_FRONTEND)
         self._worker_sock = self._router(self.settings.workers_endpoint,
-                                         curve.WORKERS)
+                                         curve.WORKERS, limits.MAX_FRAME_FROM_WORKER)
         log.info(
             "broker listening: frontends=%s workers=%s",
             self.settings.frontends_endpoint,
@@ -117,13 +159,18 @@ class Broker:
         self.security.stop()
 
     def _send(self, sock: zmq.Socket, identity: bytes, frames: list[bytes]) -> bool:
-        """Send to one peer; False if the peer is gone (never raises)."""
+        """Send to one peer; False if the peer is gone or its pipe is full
+        (never raises, never blocks)."""
         try:
-            sock.send_multipart([identity, *frames], copy=False)
+            # NOBLOCK: with ROUTER_MANDATORY a full pipe would otherwise block
+            # the whole loop until the peer reads.
+            sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
             return True
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 self.counters["send_unroutable"] += 1
+                if exc.errno == zmq.EAGAIN and sock is self._frontend_sock:
+                    self._stuck_frontends.add(identity)
                 return False
             raise
 
@@ -166,6 +213,7 @@ class Broker:
                 if self._frontend_sock in ready:
                     self._drain(self._frontend_sock, curve.FRONTENDS,
                                 self._on_frontend_frames, self._malformed)
+                self._drop_stuck_frontends()
                 now = time.monotonic()
                 if now >= next_beat:
                     self._heartbeat_and_expire(now)
@@ -177,7 +225,12 @@ class Broker:
             log.info("broker stopped")
 
     def _drain(self, sock: zmq.Socket, role: str, handle, malformed) -> None:
+        deadline = time.monotonic() + min(
+            _DRAIN_BUDGET_S, self.settings.heartbeat_interval_s / 4)
         for _ in range(_BATCH):
+            if time.monotonic() > deadline:
+                self.counters["drain_budget_spent"] += 1
+                return
             try:
                 if self._allowed_keys is None:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -241,12 +294,11 @@ class Broker:
 
     def _malformed(self, identity: bytes, why: str, frames=None) -> None:
         self.counters["malformed_dropped"] += 1
-        # Rate-limit the log: a garbage flood must not become a log flood.
-        n = self.counters["malformed_dropped"]
-        if n <= 10 or n % 1000 == 0:
-            log.warning(
-                "dropped malformed message #%d from %s: %s", n, identity.hex(), why
-            )
+        # Rate-limited: a garbage flood must not become a log flood.
+        self._log.warning(
+            "malformed", "dropped malformed message #%d from %s: %s",
+            self.counters["malformed_dropped"], identity[:16].hex(), why[:200],
+        )
 
     def _on_malformed_from_worker(self, identity: bytes, why: str,
                                   frames: list[bytes]) -> None:
@@ -284,7 +336,8 @@ class Broker:
         known = self.ledger.touch_frontend(ident, now)
         if isinstance(msg, messages.Hello):
             self.ledger.register_frontend(ident, now, msg.pid, msg.host)
-            log.info("frontend registered: pid=%d host=%s", msg.pid, msg.host)
+            self._log.info("frontend registered",
+                           "frontend registered: pid=%d host=%s", msg.pid, msg.host)
         elif isinstance(msg, messages.Submit):
             if not known:
                 # Serve it (refusing the first request after a broker restart
@@ -297,13 +350,17 @@ class Broker:
                 self._to_frontend(ident, messages.Disconnect("unknown frontend"))
                 self.ledger.register_frontend(ident, now)
             self._on_submit(ident, msg, raw, now)
+        elif not known:
+            # STATUS too: a reply is the one large thing the broker sends, so
+            # only a registered frontend (whose pipe we watch, see
+            # ``_drop_stuck_frontends``) gets one. A frontend re-sends its
+            # pending STATUS after it registers again.
+            self.counters["unknown_peer"] += 1
+            self._to_frontend(ident, messages.Disconnect("unknown frontend"))
         elif isinstance(msg, messages.Status):
             self.counters["status_requests"] += 1
             snapshot = self.snapshot(now)
             self._to_frontend(ident, messages.StatusReply(msg.request_id, snapshot))
-        elif not known:
-            self.counters["unknown_peer"] += 1
-            self._to_frontend(ident, messages.Disconnect("unknown frontend"))
         elif isinstance(msg, messages.Cancel):
             self._on_cancel(ident, msg.job_id, now)
         elif isinstance(msg, messages.Credit):
@@ -314,7 +371,9 @@ class Broker:
             pass
         else:
             self.counters["protocol_violation"] += 1
-            log.warning("frontend sent %s; disconnecting it", type(msg).__name__)
+            self._log.warning("frontend violation",
+                              "frontend sent %s; disconnecting it",
+                              type(msg).__name__)
             self._to_frontend(ident, messages.Disconnect("unexpected command"))
 
     def _on_submit(
@@ -357,20 +416,40 @@ class Broker:
 
     # --- worker side -------------------------------------------------------------
 
+    def _pool_full(self, ident: bytes, msg: messages.Loading | messages.Ready
+                   ) -> bool:
+        """Refuse a new worker beyond ``max_workers`` (True if refused)."""
+        if (ident in self.ledger.workers
+                or len(self.ledger.workers) < self.settings.max_workers):
+            return False
+        self.counters["worker_refused_full"] += 1
+        self._log.warning(
+            "worker refused", "worker refused: the pool is full (%d workers, "
+            "--max-workers): name=%s pid=%d host=%s",
+            len(self.ledger.workers), msg.worker_name, msg.pid, msg.host)
+        self._to_worker(ident, messages.Disconnect("the pool is full"))
+        return True
+
     def _on_worker_frames(self, ident: bytes, msg: messages.Message, raw) -> None:
         now = time.monotonic()
         if isinstance(msg, messages.Loading):
+            if self._pool_full(ident, msg):
+                return
             if ident not in self.ledger.workers:
-                log.info("worker loading: name=%s pid=%d host=%s model=%s",
-                         msg.worker_name, msg.pid, msg.host, msg.model)
+                self._log.info("worker loading",
+                               "worker loading: name=%s pid=%d host=%s model=%s",
+                               msg.worker_name, msg.pid, msg.host, msg.model)
             self.ledger.register_loading(ident, msg, now)
             return
         if isinstance(msg, messages.Ready):
+            if self._pool_full(ident, msg):
+                return
             self.counters["worker_registrations"] += 1
-            if self._deaths_by_host[msg.host] > 0:
-                self._deaths_by_host[msg.host] -= 1
+            if self._deaths_by_host.registered(msg.host):
                 self.counters["worker_restarts"] += 1
-                log.info("worker restarted on host %s (pid %d)", msg.host, msg.pid)
+                self._log.info("worker restarted",
+                               "worker restarted on host %s (pid %d)",
+                               msg.host, msg.pid)
             slot, orphan = self.ledger.register_worker(ident, msg, now)
             # Acknowledge at once: the worker ignores DISCONNECTs until it
             # hears from us after READY (they answer older messages).
@@ -379,7 +458,8 @@ class Broker:
                 self.stats.job_lost()
                 self._fail_job(orphan, ErrorCode.WORKER_RESTARTED,
                                "worker re-registered")
-            log.info(
+            self._log.info(
+                "worker registered",
                 "worker registered: slot=%d name=%s pid=%d host=%s model=%s",
                 slot.slot_id, msg.worker_name, msg.pid, msg.host, msg.model,
             )
@@ -394,11 +474,13 @@ class Broker:
             if progress is not None and slot.job_id and (
                     progress.job_id == slot.job_id):
                 self.ledger.record_progress(slot, progress, now)
+                self.ledger.job_heard(slot.job_id)
         elif isinstance(msg, messages.Disconnect):
             # The worker is shutting down: no new jobs. Its current job (if
             # any) still ends with a terminal frame, which frees the slot.
-            log.info("worker leaving (%s): slot=%d pid=%d", msg.reason,
-                     slot.slot_id, slot.info.pid)
+            self._log.info("worker leaving",
+                           "worker leaving (%s): slot=%d pid=%d",
+                           msg.reason[:200], slot.slot_id, slot.info.pid)
             slot.draining = True
             if slot.job_id is None:
                 self.ledger.remove_worker(ident)
@@ -407,6 +489,7 @@ class Broker:
                 self.counters["stale_frames"] += 1
                 return
             job = self.ledger.jobs[msg.job_id]
+            job.heard = True
             delivered = self._to_frontend(job.frontend, raw)
             if isinstance(msg, messages.TERMINAL):
                 self._finish(job, msg, now)
@@ -416,7 +499,8 @@ class Broker:
                 self._on_cancel(job.frontend, job.job_id, now)
         else:
             self.counters["protocol_violation"] += 1
-            log.warning("worker sent %s; disconnecting it", type(msg).__name__)
+            self._log.warning("worker violation", "worker sent %s; disconnecting it",
+                              type(msg).__name__)
             self._to_worker(ident, messages.Disconnect("unexpected command"))
 
     def _finish(self, job: ledger_mod.Job, msg: messages.Message, now: float) -> None:
@@ -436,9 +520,9 @@ class Broker:
         orphan = self.ledger.remove_worker(ident)
         self.counters["worker_deaths"] += 1
         if slot is not None:
-            self._deaths_by_host[slot.info.host] += 1
-            log.warning(
-                "worker lost (%s): slot=%d pid=%d host=%s",
+            self._deaths_by_host.died(slot.info.host)
+            self._log.warning(
+                "worker lost", "worker lost (%s): slot=%d pid=%d host=%s",
                 why, slot.slot_id, slot.info.pid, slot.info.host,
             )
         if orphan is not None:
@@ -454,6 +538,47 @@ class Broker:
             if self.ledger.request_cancel(job.job_id, now) is not None:
                 self._to_worker(job.worker, messages.Cancel(job.job_id))
 
+    def _drop_stuck_frontends(self) -> None:
+        """A frontend whose pipe is full does not read: frozen or hostile. A
+        real one reads everything at once (see the module docstring), so it
+        is treated as gone; if it was only frozen it hears DISCONNECT on its
+        next message and registers again, failing the jobs it held."""
+        if not self._stuck_frontends:
+            return
+        now = time.monotonic()
+        for ident in self._stuck_frontends:
+            if ident in self.ledger.frontends:
+                self.counters["frontend_send_full"] += 1
+                self._log.warning("frontend lost",
+                                  "frontend lost (send queue full): %s",
+                                  ident[:16].hex())
+                self._frontend_gone(ident, now)
+        self._stuck_frontends.clear()
+
+    def _expire_mute_jobs(self, now: float) -> None:
+        """Fail jobs whose worker showed no sign of them in time, and drop
+        that worker (settings: ``first_frame_timeout_s``)."""
+        deadline = now - self.settings.first_frame_timeout_s
+        mute = [job for job in self.ledger.jobs.values()
+                if not job.heard and job.submitted_at < deadline]
+        for job in mute:
+            slot = self.ledger.workers.get(job.worker)
+            self.counters["worker_unresponsive"] += 1
+            self._log.warning(
+                "worker unresponsive",
+                "worker unresponsive: no sign of job %s for %.0fs; dropped "
+                "(slot=%s pid=%s host=%s)", job.job_id,
+                self.settings.first_frame_timeout_s,
+                getattr(slot, "slot_id", "?"),
+                slot.info.pid if slot else "?", slot.info.host if slot else "?")
+            orphan = self.ledger.remove_worker(job.worker)
+            self._to_worker(job.worker, messages.Disconnect("no sign of the job"))
+            if orphan is not None:
+                self.stats.job_lost()
+                self._fail_job(orphan, ErrorCode.WORKER_UNRESPONSIVE,
+                               "the model worker did not start the job in time")
+
+
     def _heartbeat_and_expire(self, now: float) -> None:
         if self._allowed_keys is not None:
             self._allowed_keys = self.security.current_keys()
@@ -462,8 +587,11 @@ class Broker:
             self._worker_died(ident, "heartbeat timeout")
         for ident in dead_frontends:
             self.counters["frontend_deaths"] += 1
-            log.warning("frontend lost (heartbeat timeout): %s", ident.hex())
+            self._log.warning("frontend lost",
+                              "frontend lost (heartbeat timeout): %s",
+                              ident[:16].hex())
             self._frontend_gone(ident, now)
+        self._expire_mute_jobs(now)
         if self.metrics is not None:
             self.metrics.publish(self.snapshot(now))
         beat = messages.Heartbeat().to_wire()
@@ -472,6 +600,7 @@ class Broker:
                 self._worker_died(ident, "unreachable")
         for ident in list(self.ledger.frontends):
             self._to_frontend(ident, beat)
+        self._drop_stuck_frontends()
 
     def snapshot(self, now: float) -> PoolStatus:
         return self.ledger.snapshot(now, dict(self.counters), self.stats.totals())

@@ -68,6 +68,9 @@ class Job:
     worker: bytes
     submitted_at: float
     cancel_requested_at: float | None = None
+    #: The worker showed it has the job: a job frame, or a heartbeat whose
+    #: progress names it. Until then the first-frame deadline runs.
+    heard: bool = False
 
 
 @dataclasses.dataclass
@@ -201,6 +204,12 @@ class Ledger:
         slot.progress_at = None
         self.jobs[job_id] = Job(job_id, frontend, slot.identity, now)
         return slot
+
+    def job_heard(self, job_id: str) -> None:
+        """The job's worker showed it has the job (stops its deadline)."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            job.heard = True
 
     def request_cancel(self, job_id: str, now: float) -> Job | None:
         """Mark a job as cancelling; return it if this is the first request."""

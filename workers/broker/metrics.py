@@ -74,6 +74,21 @@ class PoolCollector:
         yield counter("llamapool_broker_malformed_frames_dropped_total",
                       "Malformed ZeroMQ messages the broker dropped",
                       counters.get("malformed_dropped", 0))
+        yield counter("llamapool_broker_workers_refused_total",
+                      "Worker registrations refused: the pool was full "
+                      "(--max-workers)",
+                      counters.get("worker_refused_full", 0))
+        yield counter("llamapool_broker_workers_unresponsive_total",
+                      "Workers dropped for showing no sign of a job in time "
+                      "(--first-frame-timeout-s); each job got an error",
+                      counters.get("worker_unresponsive", 0))
+        yield counter("llamapool_broker_frontends_send_full_total",
+                      "Frontends dropped because they did not read what the "
+                      "broker sent (their send queue was full)",
+                      counters.get("frontend_send_full", 0))
+        yield counter("llamapool_broker_unknown_peer_total",
+                      "Messages from unregistered peers, answered with DISCONNECT",
+                      counters.get("unknown_peer", 0))
         yield counter("llamapool_broker_curve_refused_total",
                       "Peers refused at the CURVE handshake (key not authorized)",
                       counters.get("curve_refused", 0))

@@ -14,6 +14,22 @@ the default (``protocol.settings.load``). Every default is documented here:
 | LLAMAPOOL_CURVE_AUTHORIZED_FRONTENDS | (none)     | frontend .key files allowed in   |
 | LLAMAPOOL_INSECURE_PLAINTEXT         | 0          | allow non-loopback w/o CURVE     |
 | LLAMAPOOL_BROKER_METRICS_PORT        | 0          | port for own /metrics (0: off)   |
+| LLAMAPOOL_MAX_WORKERS                | 1024       | more registrations are refused   |
+| LLAMAPOOL_FIRST_FRAME_TIMEOUT_S      | 30.0       | job fails if its worker is mute  |
+
+``max_workers`` bounds the ledger (and with it every STATUS reply and the
+per-host restart table): a flood of fake registrations beyond it gets
+DISCONNECT and is counted, never routed to. It may be at most 10 000, what a
+STATUS reply can carry (``protocol.limits``).
+
+``first_frame_timeout_s``: a worker that was given a job must show it has it
+within this time, by a job frame (TOKEN, FINAL, ERROR) or by a heartbeat
+whose progress names the job. A real worker's link thread heartbeats every
+interval also while its engine prefills a long prompt (ctypes releases the
+GIL), so it shows the job within about one heartbeat interval however slow
+the prefill; 30 s is thirty of those. A worker that stays silent on the job
+loses it (its frontend gets ERROR ``worker_unresponsive``, not a hang) and is
+dropped from the ledger with DISCONNECT.
 """
 
 from __future__ import annotations
@@ -21,8 +37,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from protocol import timing
+from protocol import limits, timing
 from protocol.settings import ConfigError, setting
+
+#: The most workers one STATUS reply can describe (``protocol.limits``).
+MAX_WORKERS_LIMIT = 10_000
+assert MAX_WORKERS_LIMIT * limits.MAX_SLOT_STATUS_BYTES <= (
+    limits.MAX_STATUS_REPLY_BYTES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +74,17 @@ class BrokerSettings:
         "allow non-loopback w/o CURVE")
     metrics_port: int = setting(
         0, "LLAMAPOOL_BROKER_METRICS_PORT", "port for own /metrics (0: off)")
+    max_workers: int = setting(
+        1024, "LLAMAPOOL_MAX_WORKERS", "more registrations are refused")
+    first_frame_timeout_s: float = setting(
+        30.0, "LLAMAPOOL_FIRST_FRAME_TIMEOUT_S", "job fails if its worker is mute")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_workers <= MAX_WORKERS_LIMIT:
+            raise ConfigError(f"LLAMAPOOL_MAX_WORKERS={self.max_workers} must be "
+                              f"between 1 and {MAX_WORKERS_LIMIT}")
+        if not self.first_frame_timeout_s > 0:
+            raise ConfigError("LLAMAPOOL_FIRST_FRAME_TIMEOUT_S must be positive")
 
 
 #: The single role-less directory of earlier versions. It authorised every

@@ -122,8 +122,8 @@ def check_gbnf(gbnf: str, vocab: ctypes.c_void_p | None = None) -> None:
     """Raise ``GrammarError`` unless llama.cpp's parser accepts ``gbnf``, a
     grammar given by a client.
 
-    Without a vocabulary, token references (``<[id]>``) do not parse; the
-    worker checks again with its own.
+    Without a vocabulary, a token written as text (``<hello>``) does not
+    parse (``<[id]>`` does); the worker checks again with its own.
     """
     if len(gbnf) > MAX_GIVEN_GRAMMAR_CHARS:
         raise GrammarError(f"the grammar is longer than {MAX_GIVEN_GRAMMAR_CHARS} "
@@ -186,6 +186,8 @@ class GrammarConstraint:
     allowed, ``mask`` leaves only end-of-generation ones and sets
     ``dead_end``: the caller stops there.
     """
+
+    _sampler = None  # until compiled: close() and __del__ find nothing
 
     def __init__(self, gbnf: str, vocab: ctypes.c_void_p, n_vocab: int,
                  eog_ids: list[int]) -> None:

@@ -31,8 +31,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from protocol import defaults, timing
-from protocol.settings import setting
+from protocol import defaults, limits, timing
+from protocol.settings import ConfigError, setting
 
 #: Engines a worker can run (``--engine``); llama.cpp is the only real one.
 ENGINES = ("llama.cpp", "synthetic")
@@ -82,6 +82,16 @@ class WorkerSettings:
         "", "LLAMAPOOL_CURVE_SECRET_KEY", "own .key_secret (CURVE)")
     metrics_port: int = setting(
         0, "LLAMAPOOL_WORKER_METRICS_PORT", "port for own /metrics (0: off)")
+
+    def __post_init__(self) -> None:
+        # The broker drops a READY with longer names as malformed
+        # (``protocol.limits``): refuse at startup instead of never
+        # registering.
+        for var, value in (("LLAMAPOOL_WORKER_NAME", self.worker_name),
+                           ("LLAMAPOOL_MODEL_NAME", self.model_name)):
+            if len(value) > limits.MAX_NAME_CHARS:
+                raise ConfigError(f"{var} is {len(value)} characters; at most "
+                                  f"{limits.MAX_NAME_CHARS}")
 
     @property
     def label(self) -> str:
