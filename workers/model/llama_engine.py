@@ -217,7 +217,7 @@ class LlamaEngine:
 
     def _tokenize_bias(self, text: str) -> list[int]:
         """The tokens of a ``logit_bias`` text key, as llama.cpp's server
-        tokenises it (no BOS, special tokens parsed)."""
+        tokenises it (no BOS, special tokens not parsed)."""
         try:
             return self.prompts.tokenize_piece(text, MAX_BIASED_TOKENS + 1)
         except PromptTooLong:
