@@ -37,7 +37,7 @@ faults: $(STAMP_TEST)
 # short smoke run.
 .PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop \
 	bench-curve-roles bench-slow-clients bench-rogue-final bench-prompt-size \
-	bench-retry-after bench-limits
+	bench-retry-after bench-output-controls bench-limits
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -74,6 +74,10 @@ bench-retry-after: $(STAMP_TEST)
 # workers) against this checkout: run it on two checkouts to compare.
 bench-limits: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_limits $(BENCH_ARGS)
+
+# Output-control fields (issue 11, section 1): before/after table.
+bench-output-controls: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_output_controls $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -104,14 +104,15 @@ class GenerationResource:
             req.context.request_id,
             job.model or s.model_name or parsed.model or "llamapool",
             parsed.include_usage,
+            parsed.logprobs,
         )
         resp.set_header("X-Slot-Id", str(job.slot_id))
         # Which gunicorn process holds the lease: for operators and fault tests.
         resp.set_header("X-Frontend-Pid", str(os.getpid()))
         if not parsed.stream:
-            text, final = collect(job)
+            text, final, logprobs = collect(job)
             resp.media = shaper.whole(text, final.finish_reason, final.usage,
-                                      final.timings)
+                                      final.timings, logprobs)
             return
         tune_stream_socket(req, s.stream_sndbuf_bytes)
         # From here on the body owns the job, and with it the lease.
