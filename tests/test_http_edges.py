@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from frontend.web_page import PAGE_FILES
 from tests.pool import Pool
 
 pytestmark = pytest.mark.stack
@@ -226,7 +227,7 @@ def test_metric_labels_come_from_routes_not_raw_paths(keyed_pool):
     labels = set(re.findall(r'llamapool_http_responses_total\{endpoint="([^"]*)"',
                             text))
     assert "/v1/completions" in labels and "other" in labels
-    assert labels <= {"other", "/metrics", "/slots", *(
+    assert labels <= {"other", "/metrics", "/slots", *PAGE_FILES, *(
         f"{prefix}/{name}" for prefix in ("", "/v1")
         for name in ("completions", "chat/completions", "models", "health"))}
 

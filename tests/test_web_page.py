@@ -412,7 +412,7 @@ def test_pool_view_lists_every_slot_and_shows_a_busy_one(page, web_pool, tmp_pat
                 "'#slots tbody tr[data-state=idle]').length === 2")
 
 
-def test_keyboard_phone_width_and_dark_theme(page, web_pool):
+def test_keyboard_phone_width_and_dark_theme(page, web_pool, tmp_path):
     """Shift+Enter is a new line (Enter sends, Esc stops: tests above); a
     phone-width window needs no sideways scrolling; the theme follows the
     system's setting."""
@@ -420,6 +420,7 @@ def test_keyboard_phone_width_and_dark_theme(page, web_pool):
     from selenium.webdriver.common.keys import Keys
 
     d = page
+    with_key(d, web_pool)
     box = d.find_element(By.ID, "prompt")
     box.send_keys("line one", Keys.SHIFT, Keys.ENTER, Keys.SHIFT, "line two")
     assert box.get_property("value") == "line one\nline two"
@@ -438,3 +439,5 @@ def test_keyboard_phone_width_and_dark_theme(page, web_pool):
         overflow = d.execute_script(
             "return document.documentElement.scrollWidth - window.innerWidth")
         assert overflow <= 0, (view, overflow)
+    wait_for(d, "document.querySelectorAll('#slots tbody tr').length === 2")
+    save_screenshot(d, tmp_path, "web-phone-dark.png")
