@@ -441,3 +441,30 @@ def test_keyboard_phone_width_and_dark_theme(page, web_pool, tmp_path):
         assert overflow <= 0, (view, overflow)
     wait_for(d, "document.querySelectorAll('#slots tbody tr').length === 2")
     save_screenshot(d, tmp_path, "web-phone-dark.png")
+
+
+def test_markdown_structure(page):
+    """The renderer still renders Markdown: headings, lists, code, emphasis,
+    safe links, and leaves snake_case words alone."""
+    text = ("# Title\n- one\n- two\n\n1. first\n\nfoo_bar_baz and *it* and "
+            "**bold** [site](https://example.com/x)\n\n> quoted\n\n```py\nx = 1\n```")
+    found = page.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        import('/web/markdown.js').then(({renderMarkdown}) => {
+          const box = document.createElement('div');
+          box.append(renderMarkdown(arguments[0]));
+          done({
+            tags: [...box.children].map(e => e.tagName),
+            items: box.querySelectorAll('li').length,
+            em: [...box.querySelectorAll('em')].map(e => e.textContent),
+            href: box.querySelector('a').getAttribute('href'),
+            rel: box.querySelector('a').rel,
+            code: box.querySelector('pre code').textContent,
+            text: box.textContent,
+          });
+        });""", text)
+    assert found["tags"] == ["H3", "UL", "OL", "P", "BLOCKQUOTE", "PRE"], found
+    assert found["items"] == 3 and found["em"] == ["it"]
+    assert "foo_bar_baz" in found["text"]
+    assert found["href"] == "https://example.com/x" and "noopener" in found["rel"]
+    assert found["code"] == "x = 1"

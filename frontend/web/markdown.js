@@ -16,8 +16,9 @@ function inline(text, parent) {
     ["code", /`([^`\n]+)`/],
     ["image", /!\[([^\]\n]*)\]\(([^)\s]+)\)/],
     ["link", /\[([^\]\n]+)\]\(([^)\s]+)\)/],
-    ["strong", /\*\*([^*\n]+)\*\*|__([^_\n]+)__/],
-    ["em", /\*([^*\n]+)\*|_([^_\n]+)_/],
+    // Underscores only at word edges: snake_case_names stay as they are.
+    ["strong", /\*\*([^*\n]+)\*\*|(?<!\w)__([^_\n]+)__(?!\w)/],
+    ["em", /\*([^*\n]+)\*|(?<!\w)_([^_\n]+)_(?!\w)/],
   ];
   let rest = text;
   while (rest) {
