@@ -37,7 +37,7 @@ faults: $(STAMP_TEST)
 # short smoke run.
 .PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop \
 	bench-curve-roles bench-slow-clients bench-rogue-final bench-prompt-size \
-	bench-retry-after
+	bench-retry-after bench-web-page
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -69,6 +69,10 @@ bench-prompt-size: $(STAMP_TEST)
 
 bench-retry-after: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_retry_after $(BENCH_ARGS)
+
+# The web page: bytes per load and Stop -> slot idle (needs chromium).
+bench-web-page: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_web_page $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -391,6 +391,11 @@ def test_pool_view_lists_every_slot_and_shows_a_busy_one(page, web_pool, tmp_pat
                     " td:nth-child(8)').textContent.trim() !== ''")
         summary = d.find_element(By.ID, "pool-summary").text
         assert summary == "2 slots, 1 busy", summary
+        # The lease age, by the broker's clock (/slots' lease_age_s).
+        busy = next(s for s in slots(web_pool) if s["is_processing"])
+        assert busy["lease_age_s"] > 0
+        wait_for(d, "/^\\d+\\.\\d s$/.test(document.querySelector("
+                    "'#slots tbody tr[data-state=busy] td:nth-child(10)').textContent)")
         wait_for(d, "Number(document.querySelector("
                     "'dd[data-name=\"tokens generated\"]')"
                     ".textContent.replace(/\\D/g, '')) > 0")
