@@ -396,15 +396,16 @@ def test_pool_view_lists_every_slot_and_shows_a_busy_one(page, web_pool, tmp_pat
         assert busy["lease_age_s"] > 0
         wait_for(d, "/^\\d+\\.\\d s$/.test(document.querySelector("
                     "'#slots tbody tr[data-state=busy] td:nth-child(10)').textContent)")
-        wait_for(d, "Number(document.querySelector("
-                    "'dd[data-name=\"tokens generated\"]')"
-                    ".textContent.replace(/\\D/g, '')) > 0")
         # Another client's answer, read to its end: the live tokens/s figure
         # and the sparkline (sampled once a second) show it.
         with httpx.stream("POST", web_pool.url + "/v1/chat/completions",
                           headers=AUTH, json=LONG_CHAT, timeout=60) as r:
             for _ in r.iter_bytes():
                 pass
+        # The pool's totals count a job when it ends (the broker's FINAL).
+        wait_for(d, "Number(document.querySelector("
+                    "'dd[data-name=\"tokens generated\"]')"
+                    ".textContent.replace(/\\D/g, '')) >= 2000")
         wait_for(d, "window.llamapool.pool.rates.length >= 5")
         points = d.execute_script("return document.querySelector("
                                   "'#sparkline polyline').getAttribute('points')")
