@@ -37,7 +37,7 @@ faults: $(STAMP_TEST)
 # short smoke run.
 .PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop \
 	bench-curve-roles bench-slow-clients bench-rogue-final bench-prompt-size \
-	bench-retry-after bench-output-controls bench-limits
+	bench-retry-after bench-output-controls bench-limits bench-web-page
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -78,6 +78,10 @@ bench-limits: $(STAMP_TEST)
 # Output-control fields (issue 11, section 1): before/after table.
 bench-output-controls: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_output_controls $(BENCH_ARGS)
+
+# The web page: bytes per load and Stop -> slot idle (needs chromium).
+bench-web-page: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_web_page $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -28,6 +28,7 @@ from frontend.request_body import read_json_body
 from frontend.request_log import RequestLogMiddleware
 from frontend.settings import FrontendSettings
 from frontend.sse import EventStreamBody
+from frontend.web_page import add_page_routes
 from protocol.curve import client_keys
 from protocol.errors import ErrorCode
 from protocol.payloads import JobProgress, PoolStatus, SlotStatus
@@ -238,6 +239,9 @@ def public_slot(slot: SlotStatus) -> dict:
         # the job in this many seconds unless it reads again (None: not paused).
         "pause_ends_in_s": progress.pause_ends_in_s,
         "lease_taken_at": slot.lease_taken_at,
+        # The broker's own count, so a browser with a skewed clock shows
+        # the right age (the web page's pool view).
+        "lease_age_s": slot.lease_age_s,
         "jobs_served": slot.jobs_served,
     }
 
@@ -294,6 +298,7 @@ def create_app(
         app.add_route(f"{prefix}/health", health)
     app.add_route("/slots", SlotsResource(link, settings))
     app.add_route("/metrics", MetricsResource(link, settings))
+    add_page_routes(app)
     app.link = link
     app.gate = gate
     app.settings = settings
