@@ -340,10 +340,9 @@ def assert_rendered_as_text(d, root_js: str) -> None:
 
 
 def test_model_output_with_html_is_shown_as_text(page, web_pool):
-    """Issue 12, test 4. The tiny model cannot be made to answer with HTML, so
-    the answer enters the page the two ways model text does: the page's own
-    renderer module (what each streamed delta goes through), and a stored
-    conversation the page renders when it loads."""
+    """Issue 12, test 4, the renderer alone: the page's own Markdown module
+    (what each streamed delta goes through), and a stored conversation the
+    page renders when it loads. The real model's answer is the next test."""
     d = page
     d.execute_async_script("""
         const done = arguments[arguments.length - 1];
@@ -364,6 +363,41 @@ def test_model_output_with_html_is_shown_as_text(page, web_pool):
     d.get(web_pool.url + "/")
     wait_for(d, "document.querySelectorAll('.message').length === 2")
     d.execute_script("return new Promise(r => setTimeout(r, 200))")
+    assert_rendered_as_text(d, "document.getElementById('messages')")
+
+
+def gbnf_literal(text: str) -> str:
+    """A GBNF grammar whose only sentence is ``text``."""
+    escaped = (text.replace("\\", "\\\\").replace('"', '\\"')
+               .replace("\n", "\\n"))
+    return f'root ::= "{escaped}"'
+
+
+def test_a_real_model_answer_with_html_is_shown_as_text(page, web_pool):
+    """Issue 12, test 4, end to end: the real model, forced by a grammar (the
+    page's request gets a ``grammar`` field added in the browser), streams an
+    answer holding <script>, <img onerror>, a javascript: link and an
+    <iframe> through the real pool into the real page."""
+    d = page
+    with_key(d, web_pool)
+    d.execute_script("""
+        const grammar = arguments[0];
+        const realFetch = window.fetch;
+        window.fetch = (url, init) => {
+          if (String(url).endsWith('/v1/chat/completions') && init?.body) {
+            init = {...init, body: JSON.stringify(
+                {...JSON.parse(init.body), grammar})};
+          }
+          return realFetch(url, init);
+        };""", gbnf_literal(EVIL))
+    set_setting(d, "set-max-tokens", 1000)
+    set_setting(d, "set-ignore-eos", False)
+    type_and_enter(d, "Show me some HTML")
+    wait_for(d, "document.getElementById('status').textContent.startsWith('Done')")
+    answer = d.execute_script(
+        "return document.querySelector('.message.assistant .body').textContent")
+    assert "<script>window.xssRan = 1</script>" in answer, answer
+    d.execute_script("return new Promise(r => setTimeout(r, 200))")  # onerror time
     assert_rendered_as_text(d, "document.getElementById('messages')")
 
 
