@@ -7,7 +7,8 @@ deadline: the machine is small and shared.
 
 Screenshots of the chat and of the pool view are saved under the test's
 temporary directory. With ``LLAMAPOOL_WEB_SCREENSHOTS=DIR`` they are also
-written to ``DIR`` (``LLAMAPOOL_WEB_SCREENSHOTS=docs`` refreshes the README's).
+written to ``DIR``; ``LLAMAPOOL_WEB_SCREENSHOTS=frontend/web/screenshots``
+refreshes the README's (that folder is not package data).
 """
 
 from __future__ import annotations
