@@ -16,6 +16,7 @@ import falcon
 from frontend import metrics, openai_schema
 from frontend.auth import ApiKeyMiddleware
 from frontend.broker_link import BrokerLink
+from frontend.broker_pool import BrokerPool
 from frontend.errors import (
     Unavailable,
     install_error_handlers,
@@ -29,6 +30,7 @@ from frontend.request_log import RequestLogMiddleware
 from frontend.settings import FrontendSettings
 from frontend.sse import EventStreamBody
 from frontend.web_page import add_page_routes
+from protocol.broker_list import split_endpoints
 from protocol.curve import client_keys
 from protocol.errors import ErrorCode
 from protocol.payloads import JobProgress, PoolStatus, SlotStatus
@@ -262,16 +264,24 @@ class LlamapoolApp(falcon.App):
             self.gate.load()
 
 
+def broker_links(settings: FrontendSettings) -> BrokerLink | BrokerPool:
+    """One link to the broker, or a ``BrokerPool`` over several."""
+    curve = client_keys(settings.curve_server_key, settings.curve_secret_key)
+    links = [
+        BrokerLink(endpoint,
+                   heartbeat_interval_s=settings.heartbeat_interval_s,
+                   heartbeat_liveness=settings.heartbeat_liveness,
+                   curve=curve)
+        for endpoint in split_endpoints(settings.broker_endpoint)
+    ]
+    return links[0] if len(links) == 1 else BrokerPool(links)
+
+
 def create_app(
     settings: FrontendSettings, link: BrokerLink | None = None
 ) -> LlamapoolApp:
     """Build the WSGI app. ``link`` may be injected by tests."""
-    link = link or BrokerLink(
-        settings.broker_endpoint,
-        heartbeat_interval_s=settings.heartbeat_interval_s,
-        heartbeat_liveness=settings.heartbeat_liveness,
-        curve=client_keys(settings.curve_server_key, settings.curve_secret_key),
-    )
+    link = link or broker_links(settings)
     app = LlamapoolApp(
         middleware=[
             RequestIdMiddleware(),

@@ -6,7 +6,7 @@ Every default is documented in this one place.
 
 | variable                       | default        | meaning                       |
 |--------------------------------|----------------|-------------------------------|
-| LLAMAPOOL_BROKER               | (required)     | broker frontends endpoint     |
+| LLAMAPOOL_BROKER               | (required)     | broker frontends endpoint(s)  |
 | LLAMAPOOL_API_KEYS             | (none)         | comma-separated keys          |
 | LLAMAPOOL_API_KEY_FILE         | (none)         | file with one key per line    |
 | LLAMAPOOL_MAX_BODY_BYTES       | 1048576        | larger bodies get 413         |
@@ -36,6 +36,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from protocol import defaults, timing
+from protocol.broker_list import split_endpoints
 from protocol.settings import ConfigError, load, setting
 
 __all__ = ["ConfigError", "FrontendSettings", "read_key_file"]
@@ -51,7 +52,8 @@ def read_key_file(path: str) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class FrontendSettings:
     broker_endpoint: str = setting(
-        dataclasses.MISSING, "LLAMAPOOL_BROKER", "broker frontends endpoint")
+        dataclasses.MISSING, "LLAMAPOOL_BROKER",
+        "broker frontends endpoint(s)")
     api_keys: tuple[str, ...] = setting(
         (), "LLAMAPOOL_API_KEYS", "comma-separated keys")
     api_key_file: str = setting(
@@ -111,6 +113,7 @@ class FrontendSettings:
         "", "LLAMAPOOL_CURVE_SECRET_KEY", "own .key_secret (CURVE)")
 
     def __post_init__(self) -> None:
+        split_endpoints(self.broker_endpoint)  # ConfigError if empty or repeated
         # Zero would make sockets non-blocking or close every connection.
         for name in ("header_timeout_s", "body_timeout_s", "send_timeout_s",
                      "max_pending_connections"):

@@ -66,6 +66,10 @@ def settings_for(args: argparse.Namespace) -> Any:
     flags = given_flags(args, cls)
     if "api_keys" in flags:
         flags["api_keys"] = tuple(flags["api_keys"])
+    if "broker_endpoint" in flags:
+        # --broker may be repeated; the setting is one comma list
+        # (``protocol.broker_list``).
+        flags["broker_endpoint"] = ",".join(flags["broker_endpoint"])
     return load(cls, os.environ, flags)
 
 
@@ -209,7 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     W = WorkerSettings
     worker = sub.add_parser("worker", help="one model worker")
-    setting_flag(worker, "--broker", W, "broker_endpoint")
+    setting_flag(worker, "--broker", W, "broker_endpoint", action="append",
+                 help="broker workers endpoint; repeat (or a comma list) for "
+                      "several: the worker registers with one and moves on "
+                      "when it goes silent")
     setting_flag(worker, "--model", W, "model_path")
     setting_flag(worker, "--engine", W, "engine", choices=ENGINES,
                  help="llama.cpp, or synthetic: a stand-in with no model that "
@@ -229,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     F = FrontendSettings
     frontend = sub.add_parser("frontend", help="gunicorn on the Falcon app")
-    setting_flag(frontend, "--broker", F, "broker_endpoint")
+    setting_flag(frontend, "--broker", F, "broker_endpoint", action="append",
+                 help="broker frontends endpoint; repeat (or a comma list) "
+                      "to use several brokers at once")
     frontend.add_argument("--bind",
                           default=os.environ.get("LLAMAPOOL_BIND", "127.0.0.1:8080"),
                           help="gunicorn's address (env LLAMAPOOL_BIND)")

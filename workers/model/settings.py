@@ -7,7 +7,7 @@ worker process does. Every default is documented here:
 
 | variable                       | default     | meaning                           |
 |--------------------------------|-------------|-----------------------------------|
-| LLAMAPOOL_BROKER               | (required)  | broker workers endpoint           |
+| LLAMAPOOL_BROKER               | (required)  | broker workers endpoint(s), comma |
 | LLAMAPOOL_ENGINE               | llama.cpp   | llama.cpp or synthetic (no model) |
 | LLAMAPOOL_MODEL                | (none)      | GGUF file (llama.cpp engine)      |
 | LLAMAPOOL_CTX                  | 2048        | context tokens per slot           |
@@ -32,6 +32,7 @@ import dataclasses
 import os
 
 from protocol import defaults, limits, timing
+from protocol.broker_list import split_endpoints
 from protocol.settings import ConfigError, setting
 
 #: Engines a worker can run (``--engine``); llama.cpp is the only real one.
@@ -42,7 +43,7 @@ ENGINES = ("llama.cpp", "synthetic")
 class WorkerSettings:
     broker_endpoint: str = setting(
         dataclasses.MISSING, "LLAMAPOOL_BROKER",
-        "broker workers endpoint")
+        "broker workers endpoint(s), comma")
     engine: str = setting(
         "llama.cpp", "LLAMAPOOL_ENGINE",
         "llama.cpp or synthetic (no model)")
@@ -84,6 +85,7 @@ class WorkerSettings:
         0, "LLAMAPOOL_WORKER_METRICS_PORT", "port for own /metrics (0: off)")
 
     def __post_init__(self) -> None:
+        split_endpoints(self.broker_endpoint)  # ConfigError if empty or repeated
         # The broker drops a READY with longer names as malformed
         # (``protocol.limits``): refuse at startup instead of never
         # registering.

@@ -31,11 +31,13 @@ from collections.abc import Callable
 import zmq
 
 from protocol import messages
+from protocol.broker_list import split_endpoints
 from protocol.curve import client_keys
 from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from protocol.link import BrokerConnection, LinkHandler
 from protocol.payloads import JobProgress
+from workers.model.broker_choice import BrokerChoice
 from workers.model.engine import Engine, RequestRejected
 from workers.model.settings import WorkerSettings
 
@@ -211,8 +213,12 @@ class ModelWorker(LinkHandler):
         self._sd = notifier or SilentNotifier()
         self.tokens_generated = 0
         self.busy = False
+        #: With several brokers, the one we are registered with (one at a
+        #: time: see ``broker_choice``).
+        self.brokers = BrokerChoice(split_endpoints(settings.broker_endpoint),
+                                    self.name)
         self._link = BrokerConnection(
-            settings.broker_endpoint, self,
+            self.brokers.current, self,
             heartbeat_interval_s=settings.heartbeat_interval_s,
             heartbeat_liveness=settings.heartbeat_liveness,
             curve=self.curve, ctx=self.ctx,
@@ -384,11 +390,19 @@ class ModelWorker(LinkHandler):
         # HEARTBEAT: hearing from the broker was the point.
         if self._registration.confirmed:
             # READY went out and the broker answered: we serve.
-            self._sd.ready(f"registered with {self.settings.broker_endpoint}")
+            self._sd.ready(f"registered with {self._link.endpoint}")
 
     def on_lost(self, silent_s: float) -> None:
         self._registration.forget()
         self._orphan_job()
+        # The link dials ``endpoint`` next: another broker, if there is one.
+        # Registration is NONE again, so on_tick sends READY on the new
+        # connection; the model stays loaded.
+        lost = self._link.endpoint
+        self._link.endpoint = self.brokers.broker_lost()
+        if self._link.endpoint != lost:
+            log.warning("worker %s: broker %s silent; moving to %s",
+                        self.name, lost, self._link.endpoint)
 
     def _orphan_job(self) -> None:
         if self._job is not None:

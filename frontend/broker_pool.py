@@ -1,0 +1,285 @@
+"""A frontend process's links to several brokers, used like one.
+
+The pool's ledgers are sharded (README, "Several brokers"): each worker is
+registered with exactly one broker, so each broker can lease only its own
+workers and a slot is never leased twice. A frontend keeps one
+``BrokerLink`` per broker (zguide ch. 4, Freelance: the client knows every
+server) and this class gives the rest of the frontend the same interface as
+one link:
+
+* ``submit`` asks one broker. A refusal (NO_SLOT), or the loss of that
+  broker before it accepted, moves the job to the next broker, each broker at
+  most once per request; only when every broker refused does the client get
+  503, with the smallest Retry-After any of them gave. Nothing is queued.
+* The order tried: a broker not heard from for more than
+  ``SUSPECT_AFTER_BEATS`` heartbeat intervals goes last (it is probably
+  dead: requests that start after a broker dies do not wait for its
+  liveness window), then a broker that refused within its own Retry-After;
+  otherwise round robin, except that a conversation's follow-up turn goes
+  first to the broker that served its previous turn (``ConversationRoutes``),
+  whose workers hold its prompt state.
+* CANCEL and CREDIT go to the broker that holds the job; ``forget`` ends
+  the job's routing there.
+* ``status`` merges every live broker's ledger (``frontend.pool_view``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict
+
+from frontend.broker_link import BrokerLink, JobStream
+from frontend.pool_view import merge_statuses, pool_slot_id
+from protocol import messages
+from protocol.errors import ErrorCode
+from protocol.payloads import GenerationRequest, PoolStatus
+
+#: A broker silent for this many heartbeat intervals is tried last: its
+#: heartbeat is overdue, though the liveness window has not yet passed.
+SUSPECT_AFTER_BEATS = 1.5
+
+#: ERROR codes a broker's link makes up when that broker is gone or forgot
+#: us: before ACCEPTED the job held nothing there, so another broker may
+#: take it.
+_RETRY_ELSEWHERE = frozenset({ErrorCode.BROKER_UNREACHABLE,
+                              ErrorCode.BROKER_RESTARTED})
+
+
+class ConversationRoutes:
+    """Which broker served a prompt prefix last, for at most ``capacity``
+    prefix fingerprints (least recently used dropped first).
+
+    A follow-up turn repeats the conversation so far, so its leading
+    fingerprints (``protocol.prefix``) are those of the previous turn's
+    prompt. Sending it to the same broker lets that broker's prefix-aware
+    routing find the worker that holds the state. Per frontend process:
+    another process starts without the memory, and the turn goes round
+    robin (still served; only the prefill is not skipped).
+    """
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._broker_of: OrderedDict[int, int] = OrderedDict()
+
+    def remember(self, blocks: list[int], broker_index: int) -> None:
+        with self._lock:
+            for block in blocks:
+                self._broker_of[block] = broker_index
+                self._broker_of.move_to_end(block)
+            while len(self._broker_of) > self.capacity:
+                self._broker_of.popitem(last=False)
+
+    def broker_for(self, blocks: list[int]) -> int | None:
+        """The broker that served the longest known prefix of ``blocks``."""
+        with self._lock:
+            for block in reversed(blocks):
+                index = self._broker_of.get(block)
+                if index is not None:
+                    return index
+        return None
+
+    def __len__(self) -> int:
+        return len(self._broker_of)
+
+
+class PoolJobStream:
+    """One job's frames, from whichever broker took it.
+
+    Reads like a ``JobStream``. Until a broker accepts, ``get`` moves the job
+    along the brokers it was given, in order, on a refusal or a lost broker.
+    """
+
+    def __init__(self, pool: BrokerPool, job_id: str, request: GenerationRequest,
+                 blocks: list[int], order: list[int]) -> None:
+        self.job_id = job_id
+        self._pool = pool
+        self._request = request
+        self._blocks = blocks
+        self._order = order
+        self._tried = 0
+        self._retry_after_s: float | None = None
+        self.broker_index = order[0]
+        self._stream: JobStream = pool._submit_to(order[0], job_id, request, blocks)
+
+    @property
+    def accepted(self) -> bool:
+        return self._stream.accepted
+
+    def get(self, timeout_s: float) -> messages.Message | None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self._stream.get(max(0.0, deadline - time.monotonic()))
+            if msg is None or self._stream.accepted and not isinstance(
+                    msg, messages.Accepted):
+                return msg
+            if isinstance(msg, messages.Accepted):
+                self._pool._accepted(self.broker_index, self._blocks)
+                return messages.Accepted(
+                    msg.job_id, pool_slot_id(self.broker_index, msg.slot_id),
+                    msg.model)
+            refused = isinstance(msg, messages.NoSlot)
+            if refused:
+                self._pool._refused(self.broker_index, msg.retry_after_s)
+                self._retry_after_s = min(msg.retry_after_s, self._retry_after_s
+                                          if self._retry_after_s is not None
+                                          else msg.retry_after_s)
+            elif not (isinstance(msg, messages.Error)
+                      and msg.code in _RETRY_ELSEWHERE):
+                return msg
+            if not self._next_broker():
+                if self._retry_after_s is not None:
+                    # At least one broker is up and full: that is the answer
+                    # (503 with the soonest hint), not the lost one's error.
+                    return messages.NoSlot(self.job_id, self._retry_after_s)
+                return msg
+
+    def _next_broker(self) -> bool:
+        self._tried += 1
+        if self._tried >= len(self._order):
+            return False
+        self._pool._links[self.broker_index].forget(self.job_id)
+        self.broker_index = self._order[self._tried]
+        self._stream = self._pool._submit_to(self.broker_index, self.job_id,
+                                             self._request, self._blocks)
+        return True
+
+
+class BrokerPool:
+    """Several ``BrokerLink``s with the interface of one."""
+
+    def __init__(self, links: list[BrokerLink],
+                 routes: ConversationRoutes | None = None) -> None:
+        if not links:
+            raise ValueError("a broker pool needs at least one link")
+        self._links = links
+        self.routes = routes or ConversationRoutes()
+        #: job id -> index of the broker that holds it now.
+        self._job_broker: dict[str, int] = {}
+        #: broker index -> monotonic time until which it is taken for full.
+        self._full_until: dict[int, float] = {}
+        self._turn = itertools.count()
+
+    @property
+    def links(self) -> list[BrokerLink]:
+        return list(self._links)
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def start(self) -> BrokerPool:
+        for link in self._links:
+            link.start()
+        return self
+
+    def close(self) -> None:
+        for link in self._links:
+            link.close()
+
+    # --- request-thread API (as BrokerLink) --------------------------------------
+
+    def send(self, msg: messages.Message) -> None:
+        """CANCEL and CREDIT go to the broker holding their job; a job no
+        broker holds any more has nothing to cancel or credit."""
+        index = self._job_broker.get(getattr(msg, "job_id", None))
+        if index is not None:
+            self._links[index].send(msg)
+
+    def submit(self, job_id: str, request: GenerationRequest,
+               prefix_blocks: list[int] | None = None) -> PoolJobStream:
+        """Submit to the first broker in ``order_for``; see ``PoolJobStream``.
+
+        Raises:
+            PayloadTooLarge: as ``BrokerLink.submit`` (before any broker is
+                asked).
+        """
+        self.start()
+        blocks = prefix_blocks or []
+        return PoolJobStream(self, job_id, request, blocks, self.order_for(blocks))
+
+    def forget(self, job_id: str) -> None:
+        index = self._job_broker.pop(job_id, None)
+        if index is not None:
+            self._links[index].forget(job_id)
+
+    def order_for(self, blocks: list[int], now: float | None = None) -> list[int]:
+        """Broker indexes in the order a new job tries them."""
+        now = time.monotonic() if now is None else now
+        n = len(self._links)
+        start = next(self._turn) % n
+        preferred = self.routes.broker_for(blocks) if blocks else None
+
+        def rank(index: int) -> tuple:
+            return (
+                self._suspect(index, now),
+                self._full_until.get(index, 0.0) > now,
+                index != preferred,
+                (index - start) % n,
+            )
+
+        return sorted(range(n), key=rank)
+
+    def status(self, timeout_s: float, max_age_s: float = 0.0) -> PoolStatus | None:
+        """Every answering broker's ledger, merged; None if none answers.
+
+        The brokers are asked in parallel, so this takes at most
+        ``timeout_s`` however many are down.
+        """
+        self.start()
+        replies: list[tuple[int, PoolStatus]] = []
+        lock = threading.Lock()
+
+        def ask(index: int) -> None:
+            reply = self._links[index].status(timeout_s, max_age_s)
+            if reply is not None:
+                with lock:
+                    replies.append((index, reply))
+
+        threads = [threading.Thread(target=ask, args=(i,), daemon=True)
+                   for i in range(len(self._links))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout_s + 1.0)
+        with lock:
+            return merge_statuses(list(replies))
+
+    @property
+    def last_heard(self) -> float:
+        return max(link.last_heard for link in self._links)
+
+    def broker_alive(self) -> bool:
+        return any(link.broker_alive() for link in self._links)
+
+    @property
+    def malformed_dropped(self) -> int:
+        return sum(link.malformed_dropped for link in self._links)
+
+    @property
+    def broker_losses(self) -> int:
+        return sum(link.broker_losses for link in self._links)
+
+    # --- used by PoolJobStream ----------------------------------------------------
+
+    def _submit_to(self, index: int, job_id: str, request: GenerationRequest,
+                   blocks: list[int]) -> JobStream:
+        self._job_broker[job_id] = index
+        return self._links[index].submit(job_id, request, blocks)
+
+    def _accepted(self, index: int, blocks: list[int]) -> None:
+        self._full_until.pop(index, None)
+        if blocks:
+            self.routes.remember(blocks, index)
+
+    def _refused(self, index: int, retry_after_s: float) -> None:
+        # Tried last until its own hint says a slot may be free; a refusal
+        # costs one round trip, so the hint is capped at one second.
+        self._full_until[index] = time.monotonic() + min(retry_after_s, 1.0)
+
+    def _suspect(self, index: int, now: float) -> bool:
+        link = self._links[index]
+        heard = link.last_heard
+        if heard == 0.0:
+            return not link.broker_alive()
+        return now - heard > SUSPECT_AFTER_BEATS * link.heartbeat_interval_s
