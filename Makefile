@@ -48,6 +48,11 @@ bench-throughput: $(STAMP_TEST)
 bench-broker: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_broker $(BENCH_ARGS)
 
+# One broker vs two under the same load, and a broker kill (issue 14).
+.PHONY: bench-brokers
+bench-brokers: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_brokers $(BENCH_ARGS)
+
 bench-memory: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_memory $(BENCH_ARGS)
 
