@@ -224,7 +224,8 @@ class BrokerPool:
         """Every answering broker's ledger, merged; None if none answers.
 
         The brokers are asked in parallel, so this takes at most
-        ``timeout_s`` however many are down.
+        ``timeout_s`` however many are down, and a broker known to be gone
+        costs nothing.
         """
         self.start()
         replies: list[tuple[int, PoolStatus]] = []
@@ -236,8 +237,12 @@ class BrokerPool:
                 with lock:
                     replies.append((index, reply))
 
+        # A broker heard before and silent past its liveness window is not
+        # asked: /health must not wait out its timeout during an outage.
+        asked = [i for i, link in enumerate(self._links)
+                 if link.broker_alive() or link.last_heard == 0.0]
         threads = [threading.Thread(target=ask, args=(i,), daemon=True)
-                   for i in range(len(self._links))]
+                   for i in asked]
         for thread in threads:
             thread.start()
         for thread in threads:

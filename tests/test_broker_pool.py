@@ -254,3 +254,14 @@ def test_workers_spread_over_the_brokers():
     endpoints = ("a", "b")
     starts = [BrokerChoice(endpoints, f"host:{pid}").current for pid in range(100)]
     assert 30 < starts.count("a") < 70
+
+
+def test_status_merges_the_live_brokers_and_skips_a_lost_one():
+    links = [FakeLink(), FakeLink(), FakeLink()]
+    links[0].status_reply = _status([_slot(0, "w0")])
+    links[1].status_reply = _status([_slot(0, "w1", "busy")])
+    links[2].status_reply = _status([_slot(0, "w2")])
+    links[2].broker_alive = lambda: False  # heard before, silent since
+    merged = BrokerPool(links).status(1.0)
+    assert sorted(s.worker_name for s in merged.slots) == ["w0", "w1"]
+    assert (merged.slots_total, merged.slots_free) == (2, 1)
