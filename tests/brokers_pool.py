@@ -58,12 +58,19 @@ class BrokersPool:
             run_dir, env=env)
         self.probes = [BrokerProbe(ep) for ep in self.frontends_eps]
         if wait_ready:
-            per_broker = [0] * n_brokers
-            for j in range(n_workers):
-                per_broker[j % n_brokers] += 1
-            for i, n in enumerate(per_broker):
-                self.wait_free(i, n, timeout_s=60)
-            wait_until(self.http_up, 60, "gunicorn to answer /health")
+            try:
+                self._wait_ready(n_brokers, n_workers)
+            except BaseException:
+                self.stop()  # no process outlives a pool that never came up
+                raise
+
+    def _wait_ready(self, n_brokers: int, n_workers: int) -> None:
+        per_broker = [0] * n_brokers
+        for j in range(n_workers):
+            per_broker[j % n_brokers] += 1
+        for i, n in enumerate(per_broker):
+            self.wait_free(i, n, timeout_s=60)
+        wait_until(self.http_up, 60, "gunicorn to answer /health")
 
     def _start_broker(self, i: int) -> Proc:
         return Proc(f"broker{i}",
