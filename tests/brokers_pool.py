@@ -30,7 +30,8 @@ class BrokersPool:
 
     def __init__(self, run_dir: Path, *, n_brokers: int = 2, n_workers: int = 2,
                  worker_args: tuple[str, ...] = (), heartbeat=TEST_HEARTBEAT,
-                 frontend_processes: int = 2, wait_ready: bool = True) -> None:
+                 frontend_processes: int = 2, wait_ready: bool = True,
+                 frontend_args: tuple[str, ...] = ()) -> None:
         self.run_dir = run_dir
         self.heartbeat = list(heartbeat)
         self.frontends_eps = [f"ipc://{run_dir}/frontends{i}" for i in range(n_brokers)]
@@ -54,7 +55,7 @@ class BrokersPool:
         self.frontend = Proc(
             "frontend",
             cli("frontend", *broker_flags, "--bind", f"127.0.0.1:{self.port}",
-                *self.heartbeat),
+                *self.heartbeat, *frontend_args),
             run_dir, env=env)
         self.probes = [BrokerProbe(ep) for ep in self.frontends_eps]
         if wait_ready:

@@ -33,6 +33,16 @@ def two_brokers(tmp_path):
     pool.stop()
 
 
+@pytest.fixture
+def two_brokers_tokenizing(tmp_path, tiny_model):
+    """One gunicorn process that counts prompt tokens (so it fingerprints
+    prompt prefixes), in front of two brokers."""
+    pool = BrokersPool(tmp_path, worker_args=SYNTHETIC, frontend_processes=1,
+                       frontend_args=("--model", str(tiny_model)))
+    yield pool
+    pool.stop()
+
+
 def completion(pool: BrokersPool, max_tokens: int = 3) -> httpx.Response:
     return httpx.post(pool.url + "/v1/completions",
                       json={"prompt": "hi", "max_tokens": max_tokens}, timeout=30)
@@ -142,3 +152,24 @@ def test_killing_one_broker_costs_only_its_streams(two_brokers):
     assert len(slots) == 2 and all(s["state"] == "idle" for s in slots), slots
     print(f"\nbroker kill: streams lost 1 of 2, re-home {rehome_s:.2f}s, "
           f"refused after re-home {refused}/6, slowest {slowest_s:.2f}s")
+
+
+def test_a_follow_up_turn_reaches_the_broker_of_its_conversation(
+        two_brokers_tokenizing):
+    """Round robin alone would send every other turn to the other broker;
+    the frontend remembers which broker served each conversation's prefix."""
+    pool = two_brokers_tokenizing
+    brokers_of: dict[int, set[int]] = {}
+    for c in range(4):
+        history = f"conversation {c}: " + " ".join(f"w{c}x{i}" for i in range(80))
+        for turn in range(3):
+            history += f" turn {turn}"
+            r = httpx.post(pool.url + "/v1/completions", timeout=30,
+                           json={"prompt": history, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            brokers_of.setdefault(c, set()).add(
+                int(r.headers["X-Slot-Id"]) // SLOT_ID_STRIDE)
+            history += r.json()["choices"][0]["text"]
+    assert all(len(b) == 1 for b in brokers_of.values()), brokers_of
+    # And the conversations did not all go to one broker.
+    assert set().union(*brokers_of.values()) == {0, 1}, brokers_of
