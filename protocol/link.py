@@ -64,7 +64,11 @@ class LinkHandler:
         """A well-formed message from the broker."""
 
     def on_lost(self, silent_s: float) -> None:
-        """The broker was silent for a liveness window; a new DEALER follows."""
+        """The broker was silent for a liveness window; a new DEALER follows.
+
+        It dials the connection's ``endpoint``, which the handler may change
+        here (a worker moving to another broker: ``workers.model.broker_choice``).
+        """
 
     def on_malformed(self, error: messages.MalformedMessage) -> None:
         """A frame that did not decode (already logged, counted and dropped)."""
