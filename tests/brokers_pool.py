@@ -37,7 +37,20 @@ class BrokersPool:
         self.frontends_eps = [f"ipc://{run_dir}/frontends{i}" for i in range(n_brokers)]
         self.workers_eps = [f"ipc://{run_dir}/workers{i}" for i in range(n_brokers)]
         self.brokers: list[Proc] = [self._start_broker(i) for i in range(n_brokers)]
+        self.probes = [BrokerProbe(ep) for ep in self.frontends_eps]
         self.workers: list[Proc] = []
+        self.frontend: Proc | None = None
+        try:
+            # Every broker answers before any worker starts: a worker whose
+            # first broker is slow to start (a loaded machine) would rightly
+            # move to the next one, and the placement the tests rely on
+            # would be lost.
+            for i in range(n_brokers):
+                wait_until(lambda i=i: self.status(i) is not None, 60,
+                           f"broker {i} to answer STATUS")
+        except BaseException:
+            self.stop()
+            raise
         for j in range(n_workers):
             name = worker_name_for(j % n_brokers, n_brokers, j)
             broker_flags = [a for ep in self.workers_eps for a in ("--broker", ep)]
@@ -57,7 +70,6 @@ class BrokersPool:
             cli("frontend", *broker_flags, "--bind", f"127.0.0.1:{self.port}",
                 *self.heartbeat, *frontend_args),
             run_dir, env=env)
-        self.probes = [BrokerProbe(ep) for ep in self.frontends_eps]
         if wait_ready:
             try:
                 self._wait_ready(n_brokers, n_workers)
@@ -106,14 +118,16 @@ class BrokersPool:
                    f"{n} free slots in broker {i}'s ledger")
 
     def logs(self) -> str:
-        procs = [*self.brokers, self.frontend, *self.workers]
+        procs = [*self.brokers, *self.workers]
+        procs += [self.frontend] if self.frontend is not None else []
         return "\n".join(f"--- {p.name}\n{p.log()}" for p in procs)
 
     def stop(self) -> None:
         for probe in self.probes:
             probe.close()
         errors = []
-        for proc in [self.frontend, *self.workers, *self.brokers]:
+        frontend = [self.frontend] if self.frontend is not None else []
+        for proc in [*frontend, *self.workers, *self.brokers]:
             if not proc.alive():
                 continue
             try:
