@@ -88,6 +88,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _threads(text: str) -> str:
+    """``auto`` or a thread count (0: llama.cpp's choice)."""
+    if text.strip() == "auto":
+        return "auto"
+    return str(_non_negative_int(text))
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -125,7 +132,8 @@ def _add_model_flags(p: argparse.ArgumentParser, cls: type) -> None:
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     W = WorkerSettings
-    setting_flag(p, "--threads", W, "n_threads", type=_non_negative_int)
+    setting_flag(p, "--threads", W, "n_threads", type=_threads)
+    setting_flag(p, "--pool-cores", W, "pool_cores", type=_positive_int)
     setting_flag(p, "--model-name", W, "model_name")
     _add_model_flags(p, W)
 

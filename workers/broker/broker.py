@@ -50,6 +50,7 @@ from workers.broker.pool_stats import PoolStats
 from workers.broker.restarts import HostDeaths
 from workers.broker.security import BrokerSecurity
 from workers.broker.settings import BrokerSettings
+from workers.broker.thread_budget import budgets
 
 log = logging.getLogger("llamapool.broker")
 
@@ -396,6 +397,9 @@ class Broker:
                 ident, messages.NoSlot(msg.job_id, self.ledger.retry_after_s(now))
             )
             return
+        # Before the SUBMIT: the host's running workers step down before the
+        # new job starts, and the new worker learns its own share first.
+        self._retune_threads()
         if not self._to_worker(slot.identity, raw):
             # The worker vanished between its last beat and now.
             self._worker_died(slot.identity, "unreachable")
@@ -510,6 +514,16 @@ class Broker:
         if slot is not None and slot.draining:
             self.ledger.remove_worker(job.worker)
         self.counters["finished"] += 1
+        self._retune_threads()  # the host's other busy workers step up
+
+    def _retune_threads(self) -> None:
+        """Send THREADS to each busy ``--threads auto`` worker whose share of
+        its host's cores changed (``workers.broker.thread_budget``)."""
+        for ident, n_threads in budgets(self.ledger.workers.values()).items():
+            slot = self.ledger.workers[ident]
+            if slot.threads_told != n_threads:
+                slot.threads_told = n_threads
+                self._to_worker(ident, messages.Threads(n_threads))
 
     def _fail_job(self, job: ledger_mod.Job, code: ErrorCode, message: str) -> None:
         self.counters["failed_" + code] += 1
@@ -592,6 +606,8 @@ class Broker:
                               ident[:16].hex())
             self._frontend_gone(ident, now)
         self._expire_mute_jobs(now)
+        # Also catches busy workers that died or left since the last change.
+        self._retune_threads()
         if self.metrics is not None:
             self.metrics.publish(self.snapshot(now))
         beat = messages.Heartbeat().to_wire()
