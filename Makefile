@@ -37,13 +37,16 @@ faults: $(STAMP_TEST)
 # short smoke run.
 .PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop \
 	bench-curve-roles bench-slow-clients bench-rogue-final bench-prompt-size \
-	bench-retry-after bench-limits
+	bench-retry-after bench-limits bench-thread-stepdown
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
 
 bench-throughput: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_throughput $(BENCH_ARGS)
+
+bench-thread-stepdown: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_thread_stepdown $(BENCH_ARGS)
 
 bench-broker: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_broker $(BENCH_ARGS)

@@ -2,10 +2,12 @@
 
     make bench-throughput   # or: python -m tests.bench.bench_throughput
 
-* ``llamapool up --workers 2 --threads 1``, driven by ``llamapool bench`` at
-  concurrency 1, 2 and 4 (at 4, two clients at a time are refused with 503,
-  counted apart, and ask again after ``--wait-after-503``: retrying at once
-  would spin and steal CPU from the workers on a small machine);
+* ``llamapool up --workers 2`` with ``--threads auto`` (a busy worker uses
+  the host's cores / busy workers, changed mid-job) and with ``--threads 1``,
+  driven by ``llamapool bench`` at concurrency 1, 2 and 4 (at 4, two
+  clients at a time are refused with 503, counted apart, and ask again after
+  ``--wait-after-503``: retrying at once would spin and steal CPU from the
+  workers on a small machine);
 * llama-cpp-python's server (``--n_threads 2 --interrupt_requests False``:
   one model, requests served one after another), same loads;
 * the ceiling: two processes each running a bare ``Llama.generate`` loop
@@ -69,11 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     # Measured before and after the servers; the better run is the ceiling
     # (on a shared machine a neighbour's burst only ever lowers it).
     ceilings = [measure_ceiling()]
-    server, url = harness.llamapool_up(model, workers=2, threads=1)
-    try:
-        rows = load_rows("llamapool up (2 workers × 1 thread)", url, args)
-    finally:
-        server.stop()
+    rows = []
+    for threads, name in (("auto", "llamapool up (2 workers, --threads auto)"),
+                          (1, "llamapool up (2 workers × 1 thread)")):
+        server, url = harness.llamapool_up(model, workers=2, threads=threads)
+        try:
+            rows += load_rows(name, url, args)
+        finally:
+            server.stop()
     server, url = harness.llama_cpp_server(
         model, n_threads=2, extra=("--interrupt_requests", "False"))
     try:

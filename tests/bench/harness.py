@@ -166,7 +166,7 @@ class Server:
         self.stop()
 
 
-def llamapool_up(model: str, workers: int, threads: int, *, ctx: int = 2048,
+def llamapool_up(model: str, workers: int, threads: int | str, *, ctx: int = 2048,
                  extra: tuple[str, ...] = ()) -> tuple[Server, str]:
     """``llamapool up`` on a free port; returns the server and its base URL."""
     port = free_port()

@@ -183,8 +183,10 @@ class ActiveJob:
             if n != current:
                 # How long the host was oversubscribed (or under-used): the
                 # decode that was running when THREADS arrived.
-                log.debug("job %s: threads %d -> %d, %.1f ms after THREADS",
+                # (tests/bench/bench_thread_stepdown.py reads this line.)
+                log.debug("job %s: threads %d -> %d %s, %.1f ms after THREADS",
                           self.job_id, current, n,
+                          "mid-job" if self._threads_in_use else "at its start",
                           (time.monotonic() - told_at) * 1000)
         self._threads_in_use = n  # the engine applies it before its next decode
         return n
