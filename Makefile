@@ -37,7 +37,8 @@ faults: $(STAMP_TEST)
 # short smoke run.
 .PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop \
 	bench-curve-roles bench-slow-clients bench-rogue-final bench-prompt-size \
-	bench-retry-after bench-limits bench-thread-stepdown
+	bench-retry-after bench-output-controls bench-limits bench-web-page \
+	bench-thread-stepdown
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -77,6 +78,14 @@ bench-retry-after: $(STAMP_TEST)
 # workers) against this checkout: run it on two checkouts to compare.
 bench-limits: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_limits $(BENCH_ARGS)
+
+# Output-control fields (issue 11, section 1): before/after table.
+bench-output-controls: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_output_controls $(BENCH_ARGS)
+
+# The web page: bytes per load and Stop -> slot idle (needs chromium).
+bench-web-page: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_web_page $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -28,6 +28,7 @@ from frontend.request_body import read_json_body
 from frontend.request_log import RequestLogMiddleware
 from frontend.settings import FrontendSettings
 from frontend.sse import EventStreamBody
+from frontend.web_page import add_page_routes
 from protocol.curve import client_keys
 from protocol.errors import ErrorCode
 from protocol.payloads import JobProgress, PoolStatus, SlotStatus
@@ -104,14 +105,15 @@ class GenerationResource:
             req.context.request_id,
             job.model or s.model_name or parsed.model or "llamapool",
             parsed.include_usage,
+            parsed.logprobs,
         )
         resp.set_header("X-Slot-Id", str(job.slot_id))
         # Which gunicorn process holds the lease: for operators and fault tests.
         resp.set_header("X-Frontend-Pid", str(os.getpid()))
         if not parsed.stream:
-            text, final = collect(job)
+            text, final, logprobs = collect(job)
             resp.media = shaper.whole(text, final.finish_reason, final.usage,
-                                      final.timings)
+                                      final.timings, logprobs)
             return
         tune_stream_socket(req, s.stream_sndbuf_bytes)
         # From here on the body owns the job, and with it the lease.
@@ -240,6 +242,9 @@ def public_slot(slot: SlotStatus) -> dict:
         # changes mid-job under --threads auto.
         "n_threads": progress.n_threads,
         "lease_taken_at": slot.lease_taken_at,
+        # The broker's own count, so a browser with a skewed clock shows
+        # the right age (the web page's pool view).
+        "lease_age_s": slot.lease_age_s,
         "jobs_served": slot.jobs_served,
     }
 
@@ -296,6 +301,7 @@ def create_app(
         app.add_route(f"{prefix}/health", health)
     app.add_route("/slots", SlotsResource(link, settings))
     app.add_route("/metrics", MetricsResource(link, settings))
+    add_page_routes(app)
     app.link = link
     app.gate = gate
     app.settings = settings

@@ -11,13 +11,15 @@ import hmac
 import logging
 
 from frontend.errors import Unauthorized
+from frontend.web_page import PUBLIC_PAGE_PATHS
 
 log = logging.getLogger("llamapool.frontend")
 
+#: ``/``, ``/index.html``, ``/bundle.js``, ``/bundle.css`` and the page's other
+#: modules are among ``PUBLIC_PAGE_PATHS`` (``frontend.web_page``).
 PUBLIC_PATHS = frozenset(
-    {"/health", "/v1/health", "/models", "/v1/models", "/", "/index.html",
-     "/bundle.js", "/bundle.css"}
-)
+    {"/health", "/v1/health", "/models", "/v1/models"}
+) | PUBLIC_PAGE_PATHS
 
 
 def key_suffix(key: str | None) -> str:

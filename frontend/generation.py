@@ -20,7 +20,7 @@ from frontend.job import Job, JobOutcome
 from frontend.lease import LeaseEnding, SlotLease
 from protocol import messages
 from protocol.errors import ErrorCode
-from protocol.payloads import GenerationRequest
+from protocol.payloads import GenerationRequest, TokenLogprob
 from protocol.prefix import prefix_blocks
 
 
@@ -70,22 +70,26 @@ def start_job(
         raise
 
 
-def collect(job: Job) -> tuple[str, messages.Final]:
+def collect(job: Job) -> tuple[str, messages.Final, list[TokenLogprob]]:
     """Read a job to its end for a non-streamed response.
 
     The lease ends on every path out of here. Each frame is consumed as soon
     as it is buffered, so credit goes back as fast as frames arrive; the text
-    is bounded by ``max_tokens`` and the context size.
+    (and the log-probability entries, one per token when asked for) is
+    bounded by ``max_tokens`` and the context size.
     """
     parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     try:
         while True:
             msg = job.next_frame()
             if isinstance(msg, messages.Token):
                 parts.append(msg.text)
+                logprobs += msg.logprobs
             elif isinstance(msg, messages.Final):
                 parts.append(msg.text)
-                return "".join(parts), msg
+                logprobs += msg.logprobs
+                return "".join(parts), msg, logprobs
             else:
                 raise UpstreamError.from_frame(msg)
     finally:

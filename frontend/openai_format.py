@@ -6,7 +6,8 @@ import json
 import time
 
 from frontend.errors import http_form
-from protocol.payloads import Timings, Usage
+from frontend.logprob_format import CompletionLogprobs, chat_logprobs
+from protocol.payloads import Timings, TokenLogprob, Usage
 
 
 def _dumps(obj: dict) -> str:
@@ -21,17 +22,27 @@ class ResponseShaper:
         request_id: used in the ``id`` field.
         model: model name echoed back.
         include_usage: stream a usage chunk before ``[DONE]``.
+        logprobs: choices carry ``logprobs`` (else null).
     """
 
     def __init__(self, kind: str, request_id: str, model: str,
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, logprobs: bool = False) -> None:
         self.kind = kind
         self.chat = kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
+        self.logprobs = logprobs
+        self._completion_logprobs = CompletionLogprobs()
         self._sent_role = False
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(entries)
+        return self._completion_logprobs.shape(entries)
 
     def _chunk(self, choices: list, **extra) -> bytes:
         obj = {
@@ -46,9 +57,11 @@ class ResponseShaper:
             obj["usage"] = None
         return b"data: " + _dumps(obj).encode() + b"\n\n"
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict:
+    def _choice(self, text: str, finish_reason: str | None,
+                entries: list[TokenLogprob]) -> dict:
+        logprobs = self._logprobs(entries)
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None,
+            return {"index": 0, "text": text, "logprobs": logprobs,
                     "finish_reason": finish_reason}
         delta: dict = {}
         if not self._sent_role:
@@ -56,17 +69,17 @@ class ResponseShaper:
             self._sent_role = True
         if text or finish_reason is None:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None,
+        return {"index": 0, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
     # --- streaming ---------------------------------------------------------------
 
-    def text_event(self, text: str) -> bytes:
-        return self._chunk([self._choice(text, None)])
+    def text_event(self, text: str, entries: list[TokenLogprob] = ()) -> bytes:
+        return self._chunk([self._choice(text, None, list(entries))])
 
     def final_events(self, text: str, finish_reason: str, usage: Usage,
-                     timings: Timings) -> bytes:
-        out = self._chunk([self._choice(text, finish_reason)],
+                     timings: Timings, entries: list[TokenLogprob] = ()) -> bytes:
+        out = self._chunk([self._choice(text, finish_reason, list(entries))],
                           timings=timings.public())
         if self.include_usage:
             out += self._chunk([], usage=usage.public())
@@ -88,12 +101,13 @@ class ResponseShaper:
     # --- whole response ----------------------------------------------------------
 
     def whole(self, text: str, finish_reason: str, usage: Usage,
-              timings: Timings) -> dict:
+              timings: Timings, entries: list[TokenLogprob] = ()) -> dict:
+        logprobs = self._logprobs(list(entries))
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
+                      "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None,
+            choice = {"index": 0, "text": text, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         return {
             "id": self.id,

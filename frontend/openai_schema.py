@@ -2,8 +2,8 @@
 
 Everything a worker needs is checked here, at the HTTP door, so bad input
 never reaches a worker nor takes a slot. Each error names the offending field
-the way OpenAI does (``param``). Unknown fields are ignored, as clients send
-many we do not use.
+the way OpenAI does (``param``). No field is silently ignored: one this
+server does not implement gets a 400 (``frontend.field_policy``).
 
 The result is a ``protocol.payloads.GenerationRequest``. A field the client
 leaves out (or sends as null) is left out here too, so it takes the default
@@ -17,12 +17,17 @@ import math
 from typing import Any
 
 from frontend.errors import BadRequest
+from frontend.field_policy import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from frontend.output_constraints import grammar_of
+from protocol.limits import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS_WITH_LOGPROBS
 from protocol.payloads import (
     CHAT,
     CHAT_ROLES,
     COMPLETION,
+    MAX_TOP_LOGPROBS,
     ChatMessage,
     GenerationRequest,
+    LogitBias,
     Sampling,
 )
 
@@ -41,6 +46,11 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     model: str | None
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether responses carry log-probabilities."""
+        return self.generation.logprobs is not None
 
 
 def _number(body: dict, name: str, lo=None, hi=None, integer=False):
@@ -92,6 +102,10 @@ def _stop(body: dict) -> list[str]:
 
 
 def _max_tokens(body: dict) -> int | None:
+    if body.get("n_predict") is not None:
+        # llama.cpp's name; it wins over max_tokens there too. -1: no limit.
+        n_predict = _number(body, "n_predict", -1, None, integer=True)
+        return None if n_predict == -1 else n_predict
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is not None and (
@@ -120,9 +134,107 @@ def _sampling(body: dict) -> Sampling:
         "frequency_penalty": _float(body, "frequency_penalty", -2, 2),
         "seed": seed,
         "ignore_eos": _bool(body, "ignore_eos"),
+        "logit_bias": _logit_bias(body),
     }
     # Left out: Sampling's own defaults apply.
     return Sampling(**{k: v for k, v in given.items() if v is not None})
+
+
+def _bias_entry(key: Any, value: Any, where: str) -> LogitBias:
+    """One entry: a token id or a text, biased by a number or banned by
+    ``false`` (llama.cpp's forms; OpenAI's keys are ids written as text)."""
+    if isinstance(key, str):
+        try:
+            token, piece = int(key), ""
+        except ValueError:
+            token, piece = None, key
+    elif isinstance(key, int) and not isinstance(key, bool):
+        token, piece = key, ""
+    else:
+        raise BadRequest(f"'{where}' keys must be token ids or strings",
+                         param="logit_bias")
+    if token is not None and token < 0:
+        raise BadRequest(f"'{where}': token {token} is negative",
+                         param="logit_bias")
+    if token is None and not piece:
+        raise BadRequest(f"'{where}': an empty string has no tokens",
+                         param="logit_bias")
+    if value is False:
+        return LogitBias(token=token, piece=piece, never=True)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value)):
+        raise BadRequest(f"'{where}' values must be finite numbers or false",
+                         param="logit_bias")
+    return LogitBias(token=token, piece=piece, bias=float(value))
+
+
+def _logit_bias(body: dict) -> list[LogitBias] | None:
+    raw = body.get("logit_bias")
+    if raw is None:
+        return None
+    if isinstance(raw, dict):
+        pairs = list(raw.items())
+    elif isinstance(raw, list):
+        pairs = []
+        for item in raw:
+            if not isinstance(item, list) or len(item) != 2:
+                raise BadRequest("'logit_bias' as a list holds [token, bias] pairs",
+                                 param="logit_bias")
+            pairs.append((item[0], item[1]))
+    else:
+        raise BadRequest("'logit_bias' must be an object or a list of pairs",
+                         param="logit_bias")
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise BadRequest(f"'logit_bias' has {len(pairs)} entries; at most "
+                         f"{MAX_LOGIT_BIAS_ENTRIES}", param="logit_bias")
+    return [_bias_entry(k, v, "logit_bias") for k, v in pairs]
+
+
+def _top_count(body: dict, name: str) -> int | None:
+    return _number(body, name, 0, MAX_TOP_LOGPROBS, integer=True)
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """OpenAI completions: ``logprobs: N``; llama.cpp: ``n_probs: N``."""
+    value = body.get("logprobs")
+    if value is None or value is False:
+        n_probs = _top_count(body, "n_probs")
+        return n_probs or None  # n_probs 0 is llama.cpp's "off"
+    if value is True:
+        return 0
+    return _top_count(body, "logprobs")
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """OpenAI chat: ``logprobs: true`` and ``top_logprobs: N``."""
+    wanted = _bool(body, "logprobs")
+    top = _top_count(body, "top_logprobs")
+    if not wanted:
+        if top is not None:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true",
+                             param="top_logprobs")
+        n_probs = _top_count(body, "n_probs")
+        return n_probs or None
+    return top or 0
+
+
+def _check_stops_with_logprobs(generation: GenerationRequest) -> None:
+    """Tokens held back behind a stop-string prefix travel with their
+    log-probabilities in one frame, whose size the wire bounds."""
+    if generation.logprobs is not None and any(
+            len(s) > MAX_STOP_CHARS_WITH_LOGPROBS for s in generation.stop):
+        raise BadRequest(f"with logprobs, a stop string is at most "
+                         f"{MAX_STOP_CHARS_WITH_LOGPROBS} characters",
+                         param="stop")
+
+
+def _tools(body: dict) -> None:
+    if body.get("tools") or body.get("functions"):
+        raise BadRequest("tool calling is not supported", param="tools")
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise BadRequest("'tool_choice' needs tools, which are not supported",
+                         param="tool_choice")
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
@@ -152,6 +264,7 @@ def parse_completion(body: Any) -> ParsedRequest:
     """``POST /v1/completions``."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt", "")
     # OpenAI allows a batch of prompts; one string in a list is the same as one.
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -160,17 +273,20 @@ def parse_completion(body: Any) -> ParsedRequest:
         raise BadRequest("'prompt' must be a string", param="prompt")
     if body.get("echo"):
         raise BadRequest("'echo' is not supported", param="echo")
-    if body.get("logprobs") not in (None, 0, False):
-        raise BadRequest("'logprobs' is not supported", param="logprobs")
     stream, include_usage = _stream_options(body)
     max_tokens = _max_tokens(body)
+    if max_tokens is None and body.get("n_predict") is None:
+        max_tokens = COMPLETION_MAX_TOKENS
     generation = GenerationRequest(
         kind=COMPLETION,
         prompt=prompt,
-        max_tokens=COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
+        max_tokens=max_tokens,
         sampling=_sampling(body),
         stop=_stop(body),
+        grammar=grammar_of(body),
+        logprobs=_completion_logprobs(body),
     )
+    _check_stops_with_logprobs(generation)
     return ParsedRequest(generation, stream, include_usage, _model(body))
 
 
@@ -198,6 +314,7 @@ def parse_chat(body: Any) -> ParsedRequest:
     """``POST /v1/chat/completions``."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    check_fields(body, CHAT_FIELDS)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty list", param="messages")
@@ -212,10 +329,7 @@ def parse_chat(body: Any) -> ParsedRequest:
                              param=f"{where}.role")
         content = _content_text(message.get("content"), where)
         chat.append(ChatMessage(role, content))
-    if body.get("tools") or body.get("functions"):
-        raise BadRequest("tool calling is not supported", param="tools")
-    if body.get("logprobs"):
-        raise BadRequest("'logprobs' is not supported", param="logprobs")
+    _tools(body)
     stream, include_usage = _stream_options(body)
     generation = GenerationRequest(
         kind=CHAT,
@@ -223,5 +337,8 @@ def parse_chat(body: Any) -> ParsedRequest:
         max_tokens=_max_tokens(body),
         sampling=_sampling(body),
         stop=_stop(body),
+        grammar=grammar_of(body),
+        logprobs=_chat_logprobs(body),
     )
+    _check_stops_with_logprobs(generation)
     return ParsedRequest(generation, stream, include_usage, _model(body))

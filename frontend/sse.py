@@ -39,11 +39,12 @@ class EventStreamBody:
         try:
             msg = self._job.next_frame()
             if isinstance(msg, messages.Token):
-                return self._shaper.text_event(msg.text)
+                return self._shaper.text_event(msg.text, msg.logprobs)
             self._done = True
             if isinstance(msg, messages.Final):
                 return self._shaper.final_events(
-                    msg.text, msg.finish_reason, msg.usage, msg.timings
+                    msg.text, msg.finish_reason, msg.usage, msg.timings,
+                    msg.logprobs,
                 )
             return self._shaper.error_event(msg.code, msg.message)
         except BaseException:

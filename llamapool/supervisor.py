@@ -203,7 +203,8 @@ def run_up(args: argparse.Namespace) -> int:
                 return code
             if not announced and _health_ok(url + "/health"):
                 print(f"llamapool ready at {url}/v1 ({args.workers} workers, "
-                      f"model {os.path.basename(model)})", flush=True)
+                      f"model {os.path.basename(model)}); web page at {url}/",
+                      flush=True)
                 announced = True
             stop.wait(0.2 if not announced else 0.5)
     finally:

@@ -25,6 +25,8 @@ class ErrorCode(str, enum.Enum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     INVALID_PROMPT_TOKENS = "invalid_prompt_tokens"
     INVALID_MESSAGES = "invalid_messages"
+    INVALID_GRAMMAR = "invalid_grammar"  # the GBNF does not compile
+    UNSUPPORTED_FIELD = "unsupported_field"  # this engine cannot do it
     # The worker ended the job.
     CLIENT_STALLED = "client_stalled"  # no credit for the stall timeout
     ENGINE_ERROR = "engine_error"  # the engine raised

@@ -75,6 +75,14 @@ MAX_ID_CHARS = 128
 MAX_THREADS = 4096
 #: An ERROR's or DISCONNECT's human-readable text.
 MAX_REASON_CHARS = 4096
+#: Most ``logit_bias`` entries in one request (each is a container).
+MAX_LOGIT_BIAS_ENTRIES = 1024
+#: Most log-probability entries one TOKEN or FINAL carries: the tokens held
+#: back behind a possible stop-string prefix go out together. The frontend
+#: bounds that by refusing logprobs with a stop string longer than
+#: ``MAX_STOP_CHARS_WITH_LOGPROBS`` (a character is at most 4 tokens).
+MAX_STOP_CHARS_WITH_LOGPROBS = 256
+MAX_LOGPROB_ENTRIES_PER_FRAME = 4 * MAX_STOP_CHARS_WITH_LOGPROBS + 64
 
 #: libzmq ``ZMQ_MAXMSGSIZE`` per socket: the largest frame each side sends.
 #: Frontends send SUBMIT at most; workers send job frames at most.
@@ -114,16 +122,18 @@ class BodyLimits:
 
 
 SMALL = BodyLimits()
-#: TOKEN, FINAL (usage and timings maps) and ERROR.
-JOB_FRAME = BodyLimits(max_bytes=MAX_JOB_FRAME_BYTES)
+#: TOKEN, FINAL (usage and timings maps) and ERROR; their logprobs lists.
+JOB_FRAME = BodyLimits(max_bytes=MAX_JOB_FRAME_BYTES,
+                       max_array_len=MAX_LOGPROB_ENTRIES_PER_FRAME)
 SUBMIT = BodyLimits(
     max_bytes=MAX_SUBMIT_BYTES,
     max_array_len=max(MAX_PROMPT_TOKENS, MAX_CHAT_MESSAGES),
     # No SUBMIT field is a map today; a newer peer's extra trailing fields
     # may be (they are ignored), and every map counts as a container.
     max_map_len=64,
-    # The submit, request, sampling and four lists, plus one per chat turn.
-    max_containers=MAX_CHAT_MESSAGES + 16,
+    # The submit, request, sampling and five lists, plus one per chat turn
+    # and one per logit_bias entry.
+    max_containers=MAX_CHAT_MESSAGES + MAX_LOGIT_BIAS_ENTRIES + 16,
 )
 STATUS_REPLY = BodyLimits(
     max_bytes=MAX_STATUS_REPLY_BYTES,

@@ -44,6 +44,10 @@ from protocol.curve import ClientKeys
 log = logging.getLogger("llamapool.link")
 
 
+#: A new connection that hears nothing gets twice the last one's silence
+#: window, up to this many times the normal window.
+MAX_BACKOFF = 8
+
 class LinkHandler:
     """What an application hears from its ``BrokerConnection``, and says to it.
 
@@ -250,6 +254,13 @@ class BrokerConnection:
         # reply to a frontend); libzmq drops a "broker" that sends more
         # before buffering it, and the liveness window brings a new DEALER.
         sock.setsockopt(zmq.MAXMSGSIZE, limits.MAX_FRAME_FROM_BROKER)
+        # A TCP connect whose SYNs went unanswered (a cable out, a host
+        # down) is given up after one window and retried at once, instead of
+        # waiting on the kernel's SYN back-off (up to minutes): the DEALER
+        # reaches a broker that is back within a window, whatever the link's
+        # own back-off.
+        window_ms = int(self.heartbeat_interval_s * self.heartbeat_liveness * 1000)
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, max(window_ms, 1))
         if self.curve is not None:
             self.curve.apply(sock)
         sock.connect(self.endpoint)
@@ -260,7 +271,10 @@ class BrokerConnection:
     def _run(self) -> None:
         self._thread_id = threading.get_ident()
         interval_s = self.heartbeat_interval_s
-        window_s = interval_s * self.heartbeat_liveness
+        base_window_s = interval_s * self.heartbeat_liveness
+        #: How long a new connection may stay silent; doubles after each one
+        #: that heard nothing (below).
+        unheard_window_s = base_window_s
         poller = zmq.Poller()
         wakeup_fd = self._wakeup.fileno()
         poller.register(wakeup_fd, zmq.POLLIN)
@@ -280,8 +294,22 @@ class BrokerConnection:
                 if sock in ready:
                     self._receive()
                 now = time.monotonic()
+                heard_here = self.last_heard >= self._connected_at
+                if heard_here:
+                    unheard_window_s = base_window_s
+                window_s = base_window_s if heard_here else unheard_window_s
                 silent_s = now - max(self.last_heard, self._connected_at)
                 if silent_s > window_s:
+                    if not heard_here:
+                        # Paranoid Pirate's back-off (zguide ch. 4): a broker
+                        # too loaded to answer a new connection (handshake,
+                        # registration, reply) within one window would
+                        # otherwise be redialled forever, each new identity
+                        # registering again and never settling. Waiting
+                        # longer costs nothing while the broker is down:
+                        # the DEALER itself reconnects as soon as it is up.
+                        unheard_window_s = min(unheard_window_s * 2,
+                                               base_window_s * MAX_BACKOFF)
                     self.losses += 1
                     log.warning("broker %s silent for %.1fs; reconnecting",
                                 self.endpoint, silent_s)

@@ -36,7 +36,14 @@ from typing import ClassVar
 import msgpack
 
 from protocol import limits
-from protocol.payloads import GenerationRequest, JobProgress, PoolStatus, Timings, Usage
+from protocol.payloads import (
+    GenerationRequest,
+    JobProgress,
+    PoolStatus,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
 from protocol.records import (
     Count,
     Kind,
@@ -50,8 +57,10 @@ from protocol.records import (
 )
 
 #: Protocol name and version. Bump the digits on any breaking change
-#: (03: FINAL's usage and timings are typed arrays, no longer maps).
-PROTOCOL_HEADER = b"LLAMAPOOL03"
+#: (03: FINAL's usage and timings are typed arrays, no longer maps; 04: a
+#: request's grammar, logit_bias and logprobs, which a worker of 03 would
+#: drop as unknown trailing fields and so silently ignore).
+PROTOCOL_HEADER = b"LLAMAPOOL04"
 
 #: Largest body any command accepts (a STATUS reply); each command has its
 #: own, smaller or equal, ceiling (``Message.LIMITS``).
@@ -223,13 +232,18 @@ class Credit(Message):
     frames: int
 
 
-@_register(0x15, limits.JOB_FRAME, job_id=_STR, text=_STR, n_tokens=_INT)
+@_register(0x15, limits.JOB_FRAME, job_id=_STR, text=_STR, n_tokens=_INT,
+           logprobs=ListOf(TokenLogprob))
 class Token(Message):
-    """Worker -> broker -> frontend: new output text covering ``n_tokens``."""
+    """Worker -> broker -> frontend: new output text covering ``n_tokens``.
+
+    ``logprobs``: one entry per token this frame covers, when the request
+    asked for them (``GenerationRequest.logprobs``)."""
 
     job_id: str
     text: str
     n_tokens: int = 1
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
 #: How a job can end well; anything else in a FINAL is malformed.
@@ -238,14 +252,15 @@ FINISH_REASONS = ("stop", "length", "cancelled")
 
 @_register(0x16, limits.JOB_FRAME, job_id=_STR,
            finish_reason=OneOf(*FINISH_REASONS), usage=Usage, timings=Timings,
-           text=_STR)
+           text=_STR, logprobs=ListOf(TokenLogprob))
 class Final(Message):
     """Terminal frame: the job ended with ``finish_reason``.
 
     ``usage`` and ``timings`` are typed and range-checked on decode like every
     field: the frontend puts them into the client's JSON and the broker sums
     them into the pool's counters. ``text`` is output that was held back (a
-    possible stop-string prefix) and is released at the end.
+    possible stop-string prefix) and is released at the end; ``logprobs``
+    are the entries of its tokens.
     """
 
     job_id: str
@@ -253,6 +268,7 @@ class Final(Message):
     usage: Usage
     timings: Timings
     text: str = ""
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
 @_register(0x17, limits.JOB_FRAME, job_id=_STR, code=_STR, message=_REASON)

@@ -31,6 +31,7 @@ import dataclasses
 
 from protocol.records import (
     Count,
+    Finite,
     ListOf,
     MapOf,
     NonNegative,
@@ -46,6 +47,11 @@ _NUM = (int, float)
 _BOOL = (bool,)
 _COUNT = Count()
 _NON_NEGATIVE = NonNegative()
+_FINITE = Finite()
+
+#: Most alternatives per generated token that ``logprobs`` may ask for
+#: (OpenAI's ``top_logprobs`` limit); the worker clamps to it too.
+MAX_TOP_LOGPROBS = 20
 
 #: What a generation request is: a raw prompt, or chat messages to render.
 COMPLETION = "completion"
@@ -68,9 +74,21 @@ class ChatMessage(WireRecord):
         return {"role": self.role, "content": self.content}
 
 
+@wire_record(token=Optional(_INT), piece=_STR, bias=_FINITE, never=_BOOL)
+class LogitBias(WireRecord):
+    """One ``logit_bias`` entry: a token id, or a text whose every token is
+    biased (llama.cpp's string keys; the worker tokenises it). ``never``
+    bans the token(s) (llama.cpp's ``false``), whatever ``bias`` says."""
+
+    token: int | None = None
+    piece: str = ""
+    bias: float = 0.0
+    never: bool = False
+
+
 @wire_record(temperature=_NUM, top_p=_NUM, top_k=_INT, min_p=_NUM,
              repeat_penalty=_NUM, presence_penalty=_NUM, frequency_penalty=_NUM,
-             seed=Optional(_INT), ignore_eos=_BOOL)
+             seed=Optional(_INT), ignore_eos=_BOOL, logit_bias=ListOf(LogitBias))
 class Sampling(WireRecord):
     """How the next token is chosen. These defaults are the pool's defaults:
     llama.cpp's server's, which the frontend applies by leaving a field out."""
@@ -86,12 +104,15 @@ class Sampling(WireRecord):
     seed: int | None = None
     #: Ban end-of-generation tokens (benchmarks want exactly max_tokens).
     ignore_eos: bool = False
+    #: Added to the raw logits before any other sampler.
+    logit_bias: list[LogitBias] = dataclasses.field(default_factory=list)
 
 
 @wire_record(kind=OneOf(COMPLETION, CHAT), prompt=_STR,
              messages=ListOf(ChatMessage), max_tokens=Optional(_INT),
              sampling=Sampling, stop=ListOf(_STR),
-             prompt_tokens=Optional(ListOf(_INT)), extra_stops=ListOf(_STR))
+             prompt_tokens=Optional(ListOf(_INT)), extra_stops=ListOf(_STR),
+             grammar=_STR, logprobs=Optional(_INT))
 class GenerationRequest(WireRecord):
     """One generation, as validated at the HTTP door (``frontend.openai_schema``).
 
@@ -111,6 +132,36 @@ class GenerationRequest(WireRecord):
     stop: list[str] = dataclasses.field(default_factory=list)
     prompt_tokens: list[int] | None = None
     extra_stops: list[str] = dataclasses.field(default_factory=list)
+    #: GBNF the output must match ("": free text). JSON schemas and
+    #: ``response_format`` were turned into GBNF by the frontend.
+    grammar: str = ""
+    #: None: no log-probabilities. N: each generated token's log-probability
+    #: and its N most likely alternatives (0 to ``MAX_TOP_LOGPROBS``).
+    logprobs: int | None = None
+
+
+# --- log-probabilities of generated tokens (TOKEN, FINAL) -------------------------
+
+
+@wire_record(id=_INT, piece=(bytes,), logprob=_FINITE)
+class TokenCandidate(WireRecord):
+    """A token and its log-probability under the model's raw distribution;
+    ``piece`` is its bytes (possibly part of a UTF-8 character)."""
+
+    id: int
+    piece: bytes
+    logprob: float
+
+
+@wire_record(id=_INT, piece=(bytes,), logprob=_FINITE, top=ListOf(TokenCandidate))
+class TokenLogprob(WireRecord):
+    """A generated token, its log-probability and the most likely alternatives
+    (most likely first)."""
+
+    id: int
+    piece: bytes
+    logprob: float
+    top: list[TokenCandidate] = dataclasses.field(default_factory=list)
 
 
 # --- live progress ---------------------------------------------------------------

@@ -17,9 +17,10 @@ A field's kind is one of:
 * another ``WireRecord`` class: a nested array, decoded and checked by it;
 * ``ListOf(kind)``, ``MapOf(key_types, value_types)``, ``Optional(kind)`` and
   ``OneOf(*values)``: containers of those, and a closed set of strings;
-* ``Count()`` and ``NonNegative()``: a number whose range is checked too (a
-  token count, a duration, a rate), so NaN, infinity or a negative never
-  reaches arithmetic, JSON or a Prometheus counter.
+* ``Count()``, ``NonNegative()`` and ``Finite()``: a number whose range is
+  checked too (a token count, a duration, a rate, a log-probability), so NaN,
+  infinity or a negative never reaches arithmetic, JSON or a Prometheus
+  counter.
 * ``Text(max_chars)``: a string of bounded length (``protocol.limits``).
 
 New optional fields go at the end with defaults, so an older peer's shorter
@@ -186,8 +187,22 @@ class NonNegative:
         return value
 
 
+class Finite:
+    """A finite number (a log-probability); an int is taken as a float."""
+
+    def check(self, value: Any, where: str) -> float:
+        if value.__class__ is not float and value.__class__ is not int:
+            raise MalformedMessage(f"{where}: {type(value).__name__}")
+        if not math.isfinite(value):
+            raise MalformedMessage(f"{where}: {value!r} is not finite")
+        return float(value)
+
+    def pack(self, value: float) -> float:
+        return value
+
+
 Kind = Union[tuple, ListOf, MapOf, Optional, OneOf, Text, Count, NonNegative,
-             "type[WireRecord]"]
+             Finite, "type[WireRecord]"]
 
 
 def _checker(kind: Kind):

@@ -15,13 +15,15 @@ import httpx
 import openai
 import pytest
 
+from frontend.web_page import PAGE_FILES
 from tests.pool import Pool
 
 pytestmark = pytest.mark.stack
 
 KEY = "sk-test-Zq81-unique-key-7731"
 INVALID = {"error": {"message": "Invalid API Key", "type": "authentication_error"}}
-PUBLIC = ["/health", "/v1/health", "/models", "/v1/models"]
+PUBLIC = ["/health", "/v1/health", "/models", "/v1/models", "/", "/index.html",
+          "/bundle.js", "/bundle.css"]
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +72,6 @@ def test_good_key_in_either_header(keyed_pool, headers):
 def test_public_endpoints_need_no_key(keyed_pool, path):
     r = httpx.get(keyed_pool.url + path)
     assert r.status_code == 200, r.text
-
-
-def test_unknown_public_page_is_not_401(keyed_pool):
-    assert httpx.get(keyed_pool.url + "/").status_code == 404
 
 
 def test_slots_is_protected(keyed_pool):
@@ -229,7 +227,7 @@ def test_metric_labels_come_from_routes_not_raw_paths(keyed_pool):
     labels = set(re.findall(r'llamapool_http_responses_total\{endpoint="([^"]*)"',
                             text))
     assert "/v1/completions" in labels and "other" in labels
-    assert labels <= {"other", "/metrics", "/slots", *(
+    assert labels <= {"other", "/metrics", "/slots", *PAGE_FILES, *(
         f"{prefix}/{name}" for prefix in ("", "/v1")
         for name in ("completions", "chat/completions", "models", "health"))}
 

@@ -83,7 +83,7 @@ def test_eof_and_remote_error_send_no_cancel():
     link = Link()
     job = started_job(link, messages.Token("j", "a"),
                       messages.Final("j", "stop", *NOTHING_USED))
-    text, final = collect(job)
+    text, final, _ = collect(job)
     assert (text, final.finish_reason) == ("a", "stop")
     link2 = Link()
     job2 = started_job(link2, messages.Token("j", "a"),
@@ -125,7 +125,7 @@ def test_frame_timeout_without_a_stream_is_a_504_and_cancels():
 
 def test_exception_while_streaming_is_a_local_error_and_cancels():
     class BrokenShaper(ResponseShaper):
-        def text_event(self, text: str) -> bytes:
+        def text_event(self, text: str, entries=()) -> bytes:
             raise UnicodeEncodeError("utf-8", text, 0, 1, "test")
 
     link = Link()
@@ -212,4 +212,4 @@ def test_error_frames_carry_no_status_on_the_wire():
     msg = messages.Error("j", ErrorCode.CLIENT_STALLED, "m")
     assert messages.decode(msg.to_wire()) == msg
     assert list(messages.Error.FIELD_TYPES) == ["job_id", "code", "message"]
-    assert messages.PROTOCOL_HEADER == b"LLAMAPOOL03"
+    assert messages.PROTOCOL_HEADER == b"LLAMAPOOL04"

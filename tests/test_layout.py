@@ -25,9 +25,12 @@ ALLOWED = {
 
 #: The frontend's imports from ``workers``, each needed on purpose:
 #: the pool's ``llama_*`` series are rendered from the broker's snapshot by
-#: the same collector the broker's own /metrics uses, and the prompt gate
-#: counts tokens with the workers' own prompt builder so the two never differ.
-FRONTEND_USES_WORKERS = {"workers.broker.metrics", "workers.model.prompting"}
+#: the same collector the broker's own /metrics uses, the prompt gate
+#: counts tokens with the workers' own prompt builder, and a JSON schema or
+#: grammar is converted and checked with the workers' own grammar code, so
+#: the two never differ.
+FRONTEND_USES_WORKERS = {"workers.broker.metrics", "workers.model.prompting",
+                         "workers.model.grammar"}
 
 
 def package_of(path: Path) -> str:

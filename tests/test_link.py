@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 
 import msgpack
 import pytest
@@ -225,6 +226,37 @@ def test_a_raising_callback_never_ends_the_link(broker, start_link):
     wait_until(lambda: handler.beats > beats + 3, DEADLINE_S, "more heartbeats")
     # on_connect twice, on_lost, forward, and on_tick on every turn.
     assert link.callback_errors >= 5
+
+
+def test_a_slow_broker_is_given_longer_until_a_connection_settles(broker,
+                                                                   start_link):
+    """A broker that takes longer than one silence window to answer a new
+    connection (a loaded machine: handshake, registration, reply) must not be
+    redialled forever: each connection that hears nothing gets twice the last
+    one's window, so one finally lives long enough to hear the answer."""
+    interval_s, liveness = 0.1, 3  # a window of 0.3 s
+    answer_after_s = 1.0  # longer than 3 windows; within the 8x cap (2.4 s)
+    handler = Recorder()
+    link = start_link(handler, interval_s=interval_s, liveness=liveness)
+    hello_at: dict[bytes, float] = {}
+    deadline = time.monotonic() + DEADLINE_S
+    while not link.alive():
+        assert time.monotonic() < deadline, (
+            f"never settled: {handler.connects} connections, each given up "
+            f"before the broker's answer")
+        # The fake broker answers each connection's HELLO only after
+        # answer_after_s: a slow broker, simulated.
+        if broker.sock.poll(20):
+            identity, msg = broker.recv()
+            if isinstance(msg, messages.Hello):
+                hello_at[identity] = time.monotonic()
+        now = time.monotonic()
+        for identity, at in list(hello_at.items()):
+            if now - at >= answer_after_s:
+                broker.send(identity, messages.Heartbeat())
+                del hello_at[identity]
+    # Windows of 0.3, 0.6 and 1.2 s: the third connection hears the answer.
+    assert 2 <= handler.connects <= 5, handler.connects
 
 
 def test_sends_from_many_threads_arrive_in_each_threads_order(broker, start_link):

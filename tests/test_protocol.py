@@ -10,7 +10,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol import limits, messages
-from protocol.records import Count, ListOf, MapOf, NonNegative, OneOf, Optional, Text
+from protocol.records import (
+    Count,
+    Finite,
+    ListOf,
+    MapOf,
+    NonNegative,
+    OneOf,
+    Optional,
+    Text,
+)
 
 SAMPLE_VALUES = {
     (str,): "job-1",
@@ -19,6 +28,7 @@ SAMPLE_VALUES = {
     (bool,): True,
     (dict,): {"k": [1, "v"]},
     (list,): [1, 2, 3],
+    (bytes,): b"\xe2\x82",
 }
 
 
@@ -38,6 +48,8 @@ def sample_value(kind):
         return 3
     if isinstance(kind, NonNegative):
         return 2.5
+    if isinstance(kind, Finite):
+        return -0.25
     if isinstance(kind, Text):
         return "x" * kind.max_chars  # at its cap: still valid
     return sample(kind)  # a nested record

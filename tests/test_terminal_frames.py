@@ -37,8 +37,8 @@ TIMINGS = [2, 1.5, 2, 3.0, 666.7]
 
 
 def final_body(job_id: str, *, reason="stop", usage=USAGE, timings=TIMINGS,
-               text="!", extra=()) -> list:
-    return [job_id, reason, usage, timings, text, *extra]
+               text="!", logprobs=(), extra=()) -> list:
+    return [job_id, reason, usage, timings, text, list(logprobs), *extra]
 
 
 #: (name, body maker, whether the frame is valid).

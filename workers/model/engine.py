@@ -11,7 +11,7 @@ import dataclasses
 from typing import Protocol
 
 from protocol.errors import ErrorCode
-from protocol.payloads import GenerationRequest, Timings, Usage
+from protocol.payloads import GenerationRequest, Timings, TokenLogprob, Usage
 from workers.model.stop_strings import StopStringFilter
 
 
@@ -55,15 +55,30 @@ class TokenOutput:
         self.sink = sink
         self.stopper = StopStringFilter(stops)
         self._unsent_tokens = 0
+        #: Log-probability entries of the tokens not sent yet.
+        self._unsent_logprobs: list[TokenLogprob] = []
 
-    def push(self, text: str) -> str | None:
-        """Account one token; return a finish reason if generation must end."""
+    def push(self, text: str, logprob: TokenLogprob | None = None) -> str | None:
+        """Account one token; return a finish reason if generation must end.
+
+        ``logprob`` (when the request asked for them) goes out with the frame
+        that carries the token's text. A frame that ends at a stop string
+        carries the entries of every token up to it; tokens held back and
+        then dropped by a stop string have none.
+        """
         self._unsent_tokens += 1
+        if logprob is not None:
+            self._unsent_logprobs.append(logprob)
         text = self.stopper.push(text)
         if text:
             if not self.sink.wait_for_credit():
                 return "cancelled"
-            self.sink.emit(text, self._unsent_tokens)
+            if self._unsent_logprobs:
+                self.sink.emit(text, self._unsent_tokens,
+                               logprobs=self._unsent_logprobs)
+                self._unsent_logprobs = []
+            else:
+                self.sink.emit(text, self._unsent_tokens)
             self._unsent_tokens = 0
         return "stop" if self.stopper.stopped else None
 
@@ -72,12 +87,19 @@ class TokenOutput:
         completed, plus ``last_text``)."""
         return self.stopper.push(last_text) + self.stopper.flush()
 
+    def tail_logprobs(self) -> list[TokenLogprob]:
+        """The entries of the tokens whose text ``tail`` released."""
+        out, self._unsent_logprobs = self._unsent_logprobs, []
+        return [] if self.stopper.stopped else out
+
 
 class JobSink(Protocol):
     """The generation loop's view of the outside world."""
 
-    def emit(self, text: str, n_tokens: int) -> None:
-        """Send output text covering ``n_tokens`` new tokens."""
+    def emit(self, text: str, n_tokens: int,
+             logprobs: list[TokenLogprob] = ()) -> None:
+        """Send output text covering ``n_tokens`` new tokens (and their
+        log-probability entries, if the request asked for them)."""
 
     def should_stop(self) -> bool:
         """True once the job was cancelled; checked between tokens."""
@@ -105,6 +127,8 @@ class GenerationResult:
     prompt_ms: float
     predicted_ms: float
     tail_text: str = ""  # held-back text released at the end
+    #: Log-probability entries of the tail's tokens.
+    tail_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
     def usage(self) -> Usage:
         return Usage(

@@ -27,6 +27,8 @@ from workers.model.engine import (
     TokenOutput,
     token_budget,
 )
+from workers.model.grammar import GrammarError
+from workers.model.logits import MAX_BIASED_TOKENS, BiasError, RequestLogits
 from workers.model.prompting import PromptBuilder, PromptError
 from workers.model.tokenizing import PromptTooLong, TokenizeCancelled
 
@@ -121,10 +123,26 @@ class LlamaEngine:
         sampling = request.sampling
         self.llama.set_seed(llama_cpp.LLAMA_DEFAULT_SEED if sampling.seed is None
                             else sampling.seed)
+        try:
+            logits = RequestLogits(
+                request, vocab=self._vocab, n_vocab=self.llama.n_vocab(),
+                eog_ids=self._eog_ids, tokenize=self._tokenize_bias)
+        except GrammarError as exc:
+            raise RequestRejected(ErrorCode.INVALID_GRAMMAR, str(exc)) from None
+        except BiasError as exc:
+            raise RequestRejected(ErrorCode.UNSUPPORTED_FIELD, str(exc)) from None
+        try:
+            return self._generate(request, sink, prompt, extra_stops, max_tokens,
+                                  logits, started)
+        finally:
+            logits.close()
+
+    def _generate(self, request: GenerationRequest, sink: JobSink,
+                  prompt: list[int], extra_stops: list[str], max_tokens: int,
+                  logits: RequestLogits, started: float) -> GenerationResult:
+        sampling = request.sampling
         plan = kv_cache.plan_reuse(self.llama, prompt)
-        logits_processor = None
-        if sampling.ignore_eos and self._eog_ids:
-            logits_processor = llama_cpp.LogitsProcessorList([self._ban_eog])
+        grammar, logprobs = logits.grammar, logits.logprobs
 
         self._follow_thread_budget(sink)
         detok = IncrementalDetokenizer(self._vocab)
@@ -142,7 +160,7 @@ class LlamaEngine:
             repeat_penalty=sampling.repeat_penalty,
             presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty,
-            logits_processor=logits_processor,
+            logits_processor=logits.processor_list(),
         )
         try:
             if max_tokens == 0:
@@ -152,11 +170,18 @@ class LlamaEngine:
                 now = time.perf_counter()
                 if first_token_at is None:
                     first_token_at = now
+                if grammar is not None and grammar.dead_end:
+                    # Nothing the grammar allows was left to sample.
+                    finish = "stop"
+                    break
                 if llama_cpp.llama_vocab_is_eog(self._vocab, token):
                     finish = "stop"
                     break
+                if grammar is not None:
+                    grammar.accept(token)  # before the next token is sampled
                 n_generated += 1
-                ended_by = output.push(detok.push(token))
+                entry = logprobs.entry(token) if logprobs is not None else None
+                ended_by = output.push(detok.push(token), entry)
                 if ended_by is not None:
                     finish = ended_by
                     break
@@ -182,6 +207,7 @@ class LlamaEngine:
         ended = time.perf_counter()
         first_token_at = first_token_at or ended
         tail = "" if finish == "cancelled" else output.tail(detok.flush())
+        tail_logprobs = [] if finish == "cancelled" else output.tail_logprobs()
         return GenerationResult(
             finish_reason=finish,
             prompt_tokens=len(prompt),
@@ -190,6 +216,7 @@ class LlamaEngine:
             prompt_ms=(first_token_at - started) * 1000,
             predicted_ms=(ended - first_token_at) * 1000,
             tail_text=tail,
+            tail_logprobs=tail_logprobs,
         )
 
     def _follow_thread_budget(self, sink: JobSink) -> None:
@@ -203,6 +230,11 @@ class LlamaEngine:
             self.llama.n_threads = self.llama.n_threads_batch = wanted
             self.n_threads = wanted
 
-    def _ban_eog(self, input_ids, scores):
-        scores[self._eog_ids] = -float("inf")
-        return scores
+    def _tokenize_bias(self, text: str) -> list[int]:
+        """The tokens of a ``logit_bias`` text key, as llama.cpp's server
+        tokenises it (no BOS, special tokens not parsed)."""
+        try:
+            return self.prompts.tokenize_piece(text, MAX_BIASED_TOKENS + 1)
+        except PromptTooLong:
+            raise BiasError(f"logit_bias: a text key is {MAX_BIASED_TOKENS} "
+                            "tokens or more") from None

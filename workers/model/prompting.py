@@ -68,6 +68,16 @@ class PromptBuilder:
                 return formatter
         raise ValueError(f"unknown chat format {chat_format!r}")
 
+    def tokenize_piece(self, text: str, limit: int) -> list[int]:
+        """The tokens of a piece of text on its own: no BOS, special tokens
+        not parsed (how llama.cpp's server reads a ``logit_bias`` text key).
+
+        Raises:
+            PromptTooLong: ``limit`` tokens or more.
+        """
+        return self._tokenizer.tokenize(text.encode("utf-8"), add_special=False,
+                                        parse_special=False, limit=limit)
+
     def tokens(self, request: GenerationRequest, limit: int,
                should_stop: Callable[[], bool] | None = None,
                ) -> tuple[list[int], list[str]]:

@@ -18,8 +18,15 @@ from __future__ import annotations
 import time
 
 from protocol import defaults
+from protocol.errors import ErrorCode
 from protocol.payloads import CHAT, GenerationRequest
-from workers.model.engine import GenerationResult, JobSink, TokenOutput, token_budget
+from workers.model.engine import (
+    GenerationResult,
+    JobSink,
+    RequestRejected,
+    TokenOutput,
+    token_budget,
+)
 
 DEFAULT_TOKENS_PER_SECOND = 50.0
 
@@ -59,6 +66,13 @@ class SyntheticEngine:
         self.model_name = model_name or "synthetic"
 
     def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
+        # No model, no logits: refuse what needs them rather than ignore it.
+        for field, given in (("grammar", request.grammar),
+                             ("logprobs", request.logprobs is not None),
+                             ("logit_bias", request.sampling.logit_bias)):
+            if given:
+                raise RequestRejected(ErrorCode.UNSUPPORTED_FIELD,
+                                      f"the synthetic engine has no {field}")
         started = time.perf_counter()
         n_prompt = count_prompt_tokens(request)
         max_tokens = token_budget(n_prompt, self.n_ctx, request.max_tokens)

@@ -147,10 +147,10 @@ class ActiveJob:
 
     # --- JobSink, called by the engine in the main thread ------------------------
 
-    def emit(self, text: str, n_tokens: int) -> None:
+    def emit(self, text: str, n_tokens: int, logprobs=()) -> None:
         with self._credit_changed:
             self._credit -= 1
-        self._send(messages.Token(self.job_id, text, n_tokens))
+        self._send(messages.Token(self.job_id, text, n_tokens, list(logprobs)))
 
     def should_stop(self) -> bool:
         return self._cancelled.is_set()
@@ -328,7 +328,7 @@ class ModelWorker(LinkHandler):
             else:
                 msg = messages.Final(
                     job.job_id, result.finish_reason, result.usage(),
-                    result.timings(), result.tail_text,
+                    result.timings(), result.tail_text, result.tail_logprobs,
                 )
         except RequestRejected as exc:
             msg = messages.Error(job.job_id, exc.code, exc.message)
