@@ -65,7 +65,9 @@ class RawFrontend:
         self.sock.send_multipart(messages.Credit(job_id, frames).to_wire())
 
     def pump(self, timeout_s: float = 0.05) -> None:
-        """Read whatever arrived."""
+        """Read whatever arrived, after a heartbeat: the broker cancels the
+        jobs of a frontend it has not heard from for its liveness window."""
+        self.sock.send_multipart(messages.Heartbeat().to_wire())
         while self.sock.poll(timeout_s * 1000):
             msg = messages.decode(self.sock.recv_multipart())
             if isinstance(msg, messages.Token):
@@ -90,7 +92,9 @@ class RawFrontend:
             self.pump()
             return job_id in self.ended
         wait_until(ended, 60, f"the end of {job_id}")
-        assert isinstance(self.ended[job_id], messages.Final), self.ended[job_id]
+        final = self.ended[job_id]
+        assert isinstance(final, messages.Final), final
+        assert final.finish_reason == "length", final
         return self.text[job_id]
 
     def close(self) -> None:
@@ -106,8 +110,11 @@ def threads_of(pool: Pool, job_id: str) -> int | None:
     return None
 
 
-def wait_threads(pool: Pool, job_id: str, n: int) -> None:
-    wait_until(lambda: threads_of(pool, job_id) == n, 60,
+def wait_threads(pool: Pool, fe: RawFrontend, job_id: str, n: int) -> None:
+    def decoding_with_n():
+        fe.pump(0)  # keeps the test's frontend alive in the broker's eyes
+        return threads_of(pool, job_id) == n
+    wait_until(decoding_with_n, 60,
                f"{job_id} to decode with {n} threads; {pool.logs()[-3000:]}")
 
 
@@ -124,22 +131,24 @@ def test_a_running_job_steps_down_and_up_and_greedy_output_is_unchanged(auto_poo
         # The reference: a lone job, two threads from start to end.
         fe.submit("ref")
         fe.wait_frames("ref", WINDOW)
-        wait_threads(pool, "ref", 2)
+        wait_threads(pool, fe, "ref", 2)
         reference = fe.run_to_end("ref")
         pool.assert_whole()
 
         # A starts alone: two threads.
         fe.submit("A")
         fe.wait_frames("A", WINDOW)
-        wait_threads(pool, "A", 2)
+        wait_threads(pool, fe, "A", 2)
         # B lands on the same host: A decodes its next tokens with one.
         fe.submit("B")
-        wait_until(lambda: len([s for s in pool.status()["slots"]
-                                if s["state"] == "busy"]) == 2,
-                   60, "both slots busy")
+        def both_busy():
+            fe.pump(0)
+            return len([s for s in pool.status()["slots"]
+                        if s["state"] == "busy"]) == 2
+        wait_until(both_busy, 60, "both slots busy")
         fe.credit("A", WINDOW)
         fe.wait_frames("A", 2 * WINDOW)
-        wait_threads(pool, "A", 1)
+        wait_threads(pool, fe, "A", 1)
         # /slots shows it too.
         shown = {s["id_task"]: s["n_threads"] for s in slots_page(pool)}
         assert shown["A"] == 1, shown
@@ -148,7 +157,7 @@ def test_a_running_job_steps_down_and_up_and_greedy_output_is_unchanged(auto_poo
         fe.run_to_end("B")
         fe.credit("A", WINDOW)
         fe.wait_frames("A", 3 * WINDOW)
-        wait_threads(pool, "A", 2)
+        wait_threads(pool, fe, "A", 2)
         assert fe.frames["A"] < N_TOKENS, "A must still be running"
         changed = fe.run_to_end("A")
         assert reference and changed == reference
