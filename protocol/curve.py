@@ -19,6 +19,7 @@ import ipaddress
 import logging
 import os
 import threading
+import uuid
 from urllib.parse import urlsplit
 
 import zmq
@@ -115,7 +116,12 @@ class ClientKeys:
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
         if watch:
-            watch_handshakes(sock, self.public)
+            try:
+                watch_handshakes(sock, self.public)
+            except zmq.ZMQError as exc:
+                # Watching is only a diagnosis; the link must connect anyway.
+                log.warning("cannot watch CURVE handshakes on a new "
+                            "connection (%s); refusals will not be logged", exc)
 
     def __repr__(self) -> str:
         return (f"ClientKeys(server_public={self.server_public.decode()!r}, "
@@ -137,7 +143,12 @@ def watch_handshakes(sock: zmq.Socket, public: bytes) -> threading.Thread:
     ZAP check failed and never retries it, so the peer just hears nothing.
     The thread ends when ``sock`` is closed.
     """
-    monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+    # A unique address: pyzmq's default is derived from the socket's file
+    # descriptor, which a new DEALER may reuse while the monitor of the one it
+    # replaces is still closing ("Address already in use" ended a worker's
+    # link thread on a redial).
+    monitor = sock.get_monitor_socket(
+        _HANDSHAKE_EVENTS, addr=f"inproc://llamapool-curve-monitor-{uuid.uuid4().hex}")
     key = public.decode()
 
     def loop() -> None:

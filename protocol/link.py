@@ -238,8 +238,12 @@ class BrokerConnection:
     def alive(self, now: float | None = None) -> bool:
         """Whether the broker was heard from within the liveness window."""
         now = time.monotonic() if now is None else now
-        window = self.heartbeat_interval_s * self.heartbeat_liveness
-        return self.last_heard > 0 and now - self.last_heard < window
+        return self.last_heard > 0 and now - self.last_heard < self.silence_window_s
+
+    @property
+    def silence_window_s(self) -> float:
+        """How long the broker may be silent before it is taken for gone."""
+        return self.heartbeat_interval_s * self.heartbeat_liveness
 
     # --- the link thread ---------------------------------------------------------
 
@@ -259,8 +263,7 @@ class BrokerConnection:
         # waiting on the kernel's SYN back-off (up to minutes): the DEALER
         # reaches a broker that is back within a window, whatever the link's
         # own back-off.
-        window_ms = int(self.heartbeat_interval_s * self.heartbeat_liveness * 1000)
-        sock.setsockopt(zmq.CONNECT_TIMEOUT, max(window_ms, 1))
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, max(int(self.silence_window_s * 1000), 1))
         if self.curve is not None:
             self.curve.apply(sock)
         sock.connect(self.endpoint)
@@ -271,7 +274,7 @@ class BrokerConnection:
     def _run(self) -> None:
         self._thread_id = threading.get_ident()
         interval_s = self.heartbeat_interval_s
-        base_window_s = interval_s * self.heartbeat_liveness
+        base_window_s = self.silence_window_s
         #: How long a new connection may stay silent; doubles after each one
         #: that heard nothing (below).
         unheard_window_s = base_window_s

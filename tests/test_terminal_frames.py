@@ -16,9 +16,11 @@ back after every case.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import math
 import os
+from pathlib import Path
 
 import httpx
 import msgpack
@@ -77,10 +79,11 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def rogue_pool(tmp_path_factory):
-    """A real broker and gunicorn; the test plays the only worker by hand."""
-    run_dir = tmp_path_factory.mktemp("rogue")
+@contextlib.contextmanager
+def rogue_worker_pool(run_dir: Path):
+    """A real broker and gunicorn whose only worker the caller plays by hand
+    (``FakePeer``); yields (broker, frontend, port, probe, worker). Also used
+    by ``tests/bench/bench_rogue_final.py``."""
     frontends, workers = f"ipc://{run_dir}/frontends", f"ipc://{run_dir}/workers"
     # Peers are dead after 10 s of silence: no step here comes near it.
     broker = Proc("broker", cli("broker", "--frontends", frontends, "--workers",
@@ -113,6 +116,12 @@ def rogue_pool(tmp_path_factory):
         ctx.destroy(linger=0)
         codes = [frontend.stop(), broker.stop()]
         assert codes == [0, 0], frontend.log() + broker.log()
+
+
+@pytest.fixture(scope="module")
+def rogue_pool(tmp_path_factory):
+    with rogue_worker_pool(tmp_path_factory.mktemp("rogue")) as pool:
+        yield pool
 
 
 def register(worker: FakePeer, probe: BrokerProbe) -> None:

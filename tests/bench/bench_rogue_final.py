@@ -16,21 +16,17 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import math
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import msgpack
-import zmq
 
 from protocol import messages
 from tests.bench.harness import md_table
-from tests.pool import TEST_HEARTBEAT, BrokerProbe, Proc, cli, free_port, wait_until
-from tests.test_payloads import FakePeer
+from tests.test_terminal_frames import register, rogue_worker_pool, strict_json
 
 H = messages.PROTOCOL_HEADER
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
@@ -60,12 +56,6 @@ def ask(port: int, stream: bool) -> tuple[int, str, float]:
         return 0, f"cut: {exc.__class__.__name__}", time.monotonic() - started
 
 
-def strict_json(text: str):
-    def refuse(constant):
-        raise ValueError(constant)
-    return json.loads(text, parse_constant=refuse)
-
-
 def verdict(status: int, text: str, stream: bool) -> str:
     """What a strict client makes of the answer."""
     if status == 0:
@@ -92,36 +82,9 @@ def verdict(status: int, text: str, stream: bool) -> str:
 def main() -> None:
     argparse.ArgumentParser(description=__doc__).parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="rogue-final-"))
-    frontends, workers = f"ipc://{run_dir}/frontends", f"ipc://{run_dir}/workers"
-    broker = Proc("broker", cli("broker", "--frontends", frontends, "--workers",
-                                workers, "--heartbeat-interval-s", "0.2",
-                                "--heartbeat-liveness", "50"), run_dir)
-    port = free_port()
-    env = dict(os.environ, LLAMAPOOL_FRAME_TIMEOUT_S="5",
-               LLAMAPOOL_FRONTEND_PROCESSES="1")
-    frontend = Proc("frontend", cli("frontend", "--broker", frontends, "--bind",
-                                    f"127.0.0.1:{port}", *TEST_HEARTBEAT),
-                    run_dir, env=env)
-    ctx = zmq.Context()
-    probe = BrokerProbe(frontends, ctx=ctx)
-    worker = FakePeer(ctx, workers)
-
-    def register() -> None:
-        worker.send(messages.Ready("rogue", "m", 2048, os.getpid(), "h").to_wire())
-        wait_until(lambda: (probe.status(1) or {}).get("slots_free") == 1, 20,
-                   "a free slot")
-
-    def http_up() -> bool:
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1
-                             ).status_code in (200, 503)
-        except httpx.HTTPError:
-            return False
-
     rows = []
-    try:
-        wait_until(http_up, 60, "gunicorn")
-        register()
+    with rogue_worker_pool(run_dir) as (_broker, _frontend, port, probe, worker):
+        register(worker, probe)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             for name, usage, timings, reason in CASES:
                 for stream in (False, True):
@@ -141,12 +104,7 @@ def main() -> None:
                         slot = "busy"
                     rows.append([name, "stream" if stream else "whole",
                                  verdict(status, text, stream), took_s, slot])
-                    register()
-    finally:
-        probe.close()
-        ctx.destroy(linger=0)
-        frontend.stop()
-        broker.stop()
+                    register(worker, probe)
     print(md_table(["FINAL from the worker", "request", "client got",
                     "answer after, s", "the slot after"], rows))
 

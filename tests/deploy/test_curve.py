@@ -110,6 +110,26 @@ def test_local_endpoints(endpoint, local):
     assert curve.is_local_endpoint(endpoint) is local
 
 
+def test_watching_a_new_connection_never_collides_with_an_old_monitor(keys):
+    """A redial's new DEALER may reuse the file descriptor of the one it
+    replaces while that one's handshake monitor is still bound: pyzmq's
+    default monitor address (``inproc://monitor.s-FD``) was then in use, and
+    the exception ended a worker's link thread (seen in a CI run of
+    test_overwritten_key_is_noticed). Simulated here by holding that address."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    squatter = ctx.socket(zmq.PAIR)
+    try:
+        squatter.bind(f"inproc://monitor.s-{sock.FD}")
+        pool_keys, _rogue = keys
+        # Raised "ZMQError: Address already in use" before the fix.
+        client_keys(pool_keys, "worker").apply(sock)
+    finally:
+        sock.close(linger=0)
+        squatter.close(linger=0)
+        ctx.term()
+
+
 def test_plaintext_on_a_network_address_is_refused(tmp_path, keys):
     exposed = f"tcp://0.0.0.0:{free_port()}"
     refused = subprocess.run(
