@@ -203,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     setting_flag(broker, "--max-workers", B, "max_workers", type=_positive_int)
     setting_flag(broker, "--first-frame-timeout-s", B, "first_frame_timeout_s",
                  type=_positive_float)
+    setting_flag(broker, "--step-down-wait-s", B, "step_down_wait_s",
+                 type=_non_negative_float)
     _add_liveness_flags(broker, B)
     setting_flag(broker, "--curve-secret-key", B, "curve_secret_key")
     setting_flag(broker, "--curve-authorized-workers", B, "curve_authorized_workers")

@@ -172,6 +172,16 @@ class Threads(Message):
     n_threads: int
 
 
+@_register(0x07, n_threads=_THREADS)
+class ThreadsSet(Message):
+    """``--threads auto`` worker -> broker: from its next decode on it uses
+    ``n_threads`` threads (the answer to THREADS, sent once applied). The
+    broker holds a new job's SUBMIT until the running workers on its host
+    have stepped down (``workers.broker.step_down``)."""
+
+    n_threads: int
+
+
 @_register(0x04, reason=_REASON)
 class Disconnect(Message):
     """Broker -> peer: I do not know you (any more); register again."""

@@ -108,7 +108,7 @@ class ActiveJob:
         submit: messages.Submit,
         send: Callable[[messages.Message], None],
         settings: WorkerSettings,
-        wanted_threads: Callable[[], tuple[int, float] | None] = lambda: None,
+        wanted_threads: Callable[[], tuple[int, float, int] | None] = lambda: None,
     ) -> None:
         self.job_id = submit.job_id
         self.request = submit.request
@@ -127,13 +127,21 @@ class ActiveJob:
         self.stalled = False
         #: monotonic time the job began waiting for credit; None: not waiting.
         self._paused_since: float | None = None
-        #: The worker's current thread budget and when it arrived (None:
-        #: fixed --threads).
+        #: The worker's current thread budget, when it arrived and its
+        #: sequence number (None: fixed --threads).
         self._wanted_threads = wanted_threads
         #: Threads the engine decodes with now (0: not reported yet).
         self._threads_in_use = 0
+        #: The last budget (sequence number) confirmed to the broker.
+        self._confirmed_budget = -1
 
     # --- called by the link thread -----------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        """Waiting for credit: not decoding, and it applies a new thread
+        budget before it decodes again."""
+        return self._paused_since is not None
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -179,7 +187,13 @@ class ActiveJob:
         if budget is None:
             n = current
         else:
-            n, told_at = budget
+            n, told_at, seq = budget
+            if seq != self._confirmed_budget:
+                # The broker may be holding a new job until we step down
+                # (workers.broker.step_down). The engine applies ``n`` right
+                # after this returns, before its next decode.
+                self._confirmed_budget = seq
+                self._send(messages.ThreadsSet(n))
             if n != current:
                 # How long the host was oversubscribed (or under-used): the
                 # decode that was running when THREADS arrived.
@@ -255,8 +269,8 @@ class ModelWorker(LinkHandler):
         #: --threads auto: the thread count the broker last gave us and when
         #: (read by the engine between decodes, from the main thread; the
         #: tuple is replaced whole). None: fixed --threads, never changed.
-        self._thread_budget: tuple[int, float] | None = (
-            (settings.starting_threads, 0.0) if settings.auto_threads else None)
+        self._thread_budget: tuple[int, float, int] | None = (
+            (settings.starting_threads, 0.0, 0) if settings.auto_threads else None)
 
     @property
     def malformed_dropped(self) -> int:
@@ -384,6 +398,8 @@ class ModelWorker(LinkHandler):
     def forward(self, msg: messages.Message) -> bool:
         # Everything the main thread sends is a frame of the current job.
         job = self._job
+        if isinstance(msg, messages.ThreadsSet):
+            return True  # about the worker, not the job
         if isinstance(msg, messages.TERMINAL):
             self._job = None
         return job is not None and not job.orphaned
@@ -408,7 +424,12 @@ class ModelWorker(LinkHandler):
                 log.warning("broker sent THREADS %d to a fixed --threads "
                             "worker; kept %s", msg.n_threads, self.settings.n_threads)
             else:
-                self._thread_budget = (msg.n_threads, time.monotonic())
+                seq = self._thread_budget[2] + 1
+                self._thread_budget = (msg.n_threads, time.monotonic(), seq)
+                if job is None or job.paused:
+                    # Not decoding: in force at once (a paused job applies
+                    # it before its next decode).
+                    self._link.send(messages.ThreadsSet(msg.n_threads))
         elif isinstance(msg, messages.Cancel):
             if job is not None and job.job_id == msg.job_id:
                 job.cancel()
