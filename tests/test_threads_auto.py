@@ -36,8 +36,11 @@ def auto_pool(tiny_model, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("LLAMAPOOL_CREDIT_WINDOW_FRAMES", str(WINDOW))
     try:
+        # A wait far beyond any load: a missing step-down confirmation shows
+        # as an expired wait, not as a slow test.
         pool = Pool(tiny_model, tmp_path_factory.mktemp("auto-pool"), workers=2,
-                    worker_args=("--threads", "auto", "--pool-cores", "2"))
+                    worker_args=("--threads", "auto", "--pool-cores", "2"),
+                    broker_args=("--step-down-wait-s", "10"))
     finally:
         mp.undo()
     yield pool
@@ -146,6 +149,14 @@ def test_a_running_job_steps_down_and_up_and_greedy_output_is_unchanged(auto_poo
             return len([s for s in pool.status()["slots"]
                         if s["state"] == "busy"]) == 2
         wait_until(both_busy, 60, "both slots busy")
+        # B's SUBMIT waited for A's confirmation (A, paused for credit, gave
+        # it at once), not for the wait to run out.
+        def b_sent():
+            fe.pump(0)
+            return pool.status()["counters"]["submits_held_for_step_down"] == 1
+        wait_until(b_sent, 60, "B held for A's step-down")
+        fe.wait_frames("B", 1)
+        assert pool.status()["counters"]["step_down_waits_expired"] == 0
         fe.credit("A", WINDOW)
         fe.wait_frames("A", 2 * WINDOW)
         wait_threads(pool, fe, "A", 1)

@@ -100,7 +100,8 @@ class Broker:
         #: SUBMITs waiting for running ``--threads auto`` workers to step down.
         self._held = HeldSubmits()
         for name in ("worker_refused_full", "worker_unresponsive",
-                     "frontend_send_full", "malformed_dropped"):
+                     "frontend_send_full", "malformed_dropped",
+                     "submits_held_for_step_down", "step_down_waits_expired"):
             self.counters[name] = 0  # exported from the start, as zeros
         self._frontend_sock: zmq.Socket | None = None
         self._worker_sock: zmq.Socket | None = None
