@@ -211,6 +211,18 @@ def llama_cpp_server(model: str, n_threads: int, *, ctx: int = 2048,
     return Server("llama-cpp-server", argv, url + "/v1/models"), url
 
 
+def llama_server(model: str, slots: int, n_threads: int, *, ctx: int = 2048
+                 ) -> tuple[Server, str]:
+    """llama.cpp's ``llama-server`` (built from the workers' own llama.cpp,
+    ``tests.bench.llama_server``) on a free port."""
+    from tests.bench import llama_server as build
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = build.argv(model, slots=slots, n_threads=n_threads, port=port, ctx=ctx)
+    return Server("llama-server", argv, url + "/health"), url
+
+
 def run_load(url: str, **config) -> dict:
     """One ``llamapool bench`` run in this process; returns its report."""
     return asyncio.run(loadgen.run_bench(loadgen.BenchConfig(base_url=url, **config)))
