@@ -38,7 +38,7 @@ faults: $(STAMP_TEST)
 .PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop \
 	bench-curve-roles bench-slow-clients bench-rogue-final bench-prompt-size \
 	bench-retry-after bench-output-controls bench-limits bench-web-page \
-	bench-thread-stepdown llama-server
+	bench-thread-stepdown llama-server bench-cpu-per-token
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -50,6 +50,9 @@ llama-server: $(STAMP_TEST)
 
 bench-throughput: llama-server
 	$(PY) -m tests.bench.bench_throughput $(BENCH_ARGS)
+
+bench-cpu-per-token: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_cpu_per_token $(BENCH_ARGS)
 
 bench-thread-stepdown: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_thread_stepdown $(BENCH_ARGS)
