@@ -37,13 +37,25 @@ faults: $(STAMP_TEST)
 # short smoke run.
 .PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop \
 	bench-curve-roles bench-slow-clients bench-rogue-final bench-prompt-size \
-	bench-retry-after bench-output-controls bench-limits bench-web-page
+	bench-retry-after bench-output-controls bench-limits bench-web-page \
+	bench-thread-stepdown llama-server bench-cpu-per-token
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
 
-bench-throughput: $(STAMP_TEST)
+# llama.cpp's own server, built once from the llama.cpp vendored in the
+# installed llama-cpp-python (cached in ~/.cache/llamapool; ~10 min on 2 cores).
+llama-server: $(STAMP_TEST)
+	$(PY) -m tests.bench.llama_server
+
+bench-throughput: llama-server
 	$(PY) -m tests.bench.bench_throughput $(BENCH_ARGS)
+
+bench-cpu-per-token: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_cpu_per_token $(BENCH_ARGS)
+
+bench-thread-stepdown: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_thread_stepdown $(BENCH_ARGS)
 
 bench-broker: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_broker $(BENCH_ARGS)

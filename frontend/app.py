@@ -240,6 +240,9 @@ def public_slot(slot: SlotStatus) -> dict:
         # Paused because the client is not reading: the stall timeout ends
         # the job in this many seconds unless it reads again (None: not paused).
         "pause_ends_in_s": progress.pause_ends_in_s,
+        # llama.cpp threads the job decodes with now (0: idle, or not known);
+        # changes mid-job under --threads auto.
+        "n_threads": progress.n_threads,
         "lease_taken_at": slot.lease_taken_at,
         # The broker's own count, so a browser with a skewed clock shows
         # the right age (the web page's pool view).

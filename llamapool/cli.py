@@ -92,6 +92,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _threads(text: str) -> str:
+    """``auto`` or a thread count (0: llama.cpp's choice)."""
+    if text.strip() == "auto":
+        return "auto"
+    return str(_non_negative_int(text))
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -129,7 +136,8 @@ def _add_model_flags(p: argparse.ArgumentParser, cls: type) -> None:
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     W = WorkerSettings
-    setting_flag(p, "--threads", W, "n_threads", type=_non_negative_int)
+    setting_flag(p, "--threads", W, "n_threads", type=_threads)
+    setting_flag(p, "--pool-cores", W, "pool_cores", type=_positive_int)
     setting_flag(p, "--model-name", W, "model_name")
     _add_model_flags(p, W)
 
@@ -199,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     setting_flag(broker, "--max-workers", B, "max_workers", type=_positive_int)
     setting_flag(broker, "--first-frame-timeout-s", B, "first_frame_timeout_s",
                  type=_positive_float)
+    setting_flag(broker, "--step-down-wait-s", B, "step_down_wait_s",
+                 type=_non_negative_float)
     _add_liveness_flags(broker, B)
     setting_flag(broker, "--curve-secret-key", B, "curve_secret_key")
     setting_flag(broker, "--curve-authorized-workers", B, "curve_authorized_workers")

@@ -173,6 +173,7 @@ def run_up(args: argparse.Namespace) -> int:
     worker_argv = [*cli, "worker", "--broker", workers_ep, "--model", model,
                    *shared, *liveness,
                    *_forwarded(args, {"n_threads": "--threads",
+                                      "pool_cores": "--pool-cores",
                                       "model_name": "--model-name"})]
     frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
                      "--bind", f"{args.host}:{args.port}", "--model", model,

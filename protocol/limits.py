@@ -70,6 +70,9 @@ MAX_HOST_CHARS = 255  # a DNS name
 MAX_NAME_CHARS = 512
 #: Job and request ids (frontends use 32 hex digits).
 MAX_ID_CHARS = 128
+#: The most llama.cpp threads (or pool cores) a message may name; far above
+#: any real host, low enough that a hostile value allocates nothing silly.
+MAX_THREADS = 4096
 #: An ERROR's or DISCONNECT's human-readable text.
 MAX_REASON_CHARS = 4096
 #: Most ``logit_bias`` entries in one request (each is a container).

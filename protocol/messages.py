@@ -20,7 +20,7 @@ Peers and what they send:
 * broker -> frontend: ACCEPTED, NO_SLOT, TOKEN, FINAL, ERROR, STATUS_REPLY,
   HEARTBEAT, DISCONNECT
 * worker -> broker: LOADING, READY, TOKEN, FINAL, ERROR, HEARTBEAT, DISCONNECT
-* broker -> worker: SUBMIT, CANCEL, CREDIT, HEARTBEAT, DISCONNECT
+* broker -> worker: SUBMIT, CANCEL, CREDIT, THREADS, HEARTBEAT, DISCONNECT
 
 ``decode`` validates every field's type at the socket edge and raises
 ``MalformedMessage``; callers log, count and drop. Nothing is ever unpickled.
@@ -45,6 +45,7 @@ from protocol.payloads import (
     Usage,
 )
 from protocol.records import (
+    Count,
     Kind,
     ListOf,
     MalformedMessage,
@@ -76,6 +77,8 @@ _HOST = Text(limits.MAX_HOST_CHARS)
 _NAME = Text(limits.MAX_NAME_CHARS)
 _ID = Text(limits.MAX_ID_CHARS)
 _REASON = Text(limits.MAX_REASON_CHARS)
+_THREADS = Count(1, limits.MAX_THREADS)
+_POOL_CORES = Count(0, limits.MAX_THREADS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +119,14 @@ def _register(command: int, body_limits: limits.BodyLimits = limits.SMALL,
 
 
 @_register(0x01, worker_name=_NAME, model=_NAME, n_ctx=_INT, pid=_INT,
-           host=_HOST, engine=_NAME)
+           host=_HOST, engine=_NAME, pool_cores=_POOL_CORES)
 class Ready(Message):
-    """Worker -> broker: the model is loaded and this worker is idle."""
+    """Worker -> broker: the model is loaded and this worker is idle.
+
+    ``pool_cores`` > 0: the worker runs ``--threads auto`` and its host gives
+    the pool that many cores; the broker then sends it THREADS. 0: a fixed
+    thread count, never told anything.
+    """
 
     worker_name: str
     model: str
@@ -126,6 +134,7 @@ class Ready(Message):
     pid: int
     host: str
     engine: str = "llama.cpp"
+    pool_cores: int = 0
 
 
 @_register(0x05, worker_name=_NAME, model=_NAME, pid=_INT, host=_HOST)
@@ -152,6 +161,25 @@ class Heartbeat(Message):
     worker, the broker and frontends send none."""
 
     progress: JobProgress | None = None
+
+
+@_register(0x06, n_threads=_THREADS)
+class Threads(Message):
+    """Broker -> ``--threads auto`` worker: use ``n_threads`` llama.cpp threads
+    from the next decode on (its share of its host's pool cores among the
+    busy workers there; ``workers.broker.thread_budget``)."""
+
+    n_threads: int
+
+
+@_register(0x07, n_threads=_THREADS)
+class ThreadsSet(Message):
+    """``--threads auto`` worker -> broker: from its next decode on it uses
+    ``n_threads`` threads (the answer to THREADS, sent once applied). The
+    broker holds a new job's SUBMIT until the running workers on its host
+    have stepped down (``workers.broker.step_down``)."""
+
+    n_threads: int
 
 
 @_register(0x04, reason=_REASON)

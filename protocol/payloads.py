@@ -169,7 +169,7 @@ class TokenLogprob(WireRecord):
 
 @wire_record(job_id=_STR, n_prompt=_COUNT, n_generated=_COUNT,
              max_tokens=_COUNT, tokens_per_s=_NON_NEGATIVE, n_ctx_used=_COUNT,
-             pause_ends_in_s=Optional(_NON_NEGATIVE))
+             pause_ends_in_s=Optional(_NON_NEGATIVE), n_threads=_COUNT)
 class JobProgress(WireRecord):
     """A busy worker's progress on ``job_id``, sent with every heartbeat.
 
@@ -189,6 +189,9 @@ class JobProgress(WireRecord):
     #: many seconds (its stall timeout) unless the client reads again. The
     #: broker's Retry-After counts it: a paused slot is not about to be free.
     pause_ends_in_s: float | None = None
+    #: llama.cpp threads the job decodes with now (0: not reported, e.g. the
+    #: synthetic engine). Changes mid-job under ``--threads auto``.
+    n_threads: int = 0
 
 
 # --- what a finished job cost (FINAL) -------------------------------------------

@@ -156,12 +156,16 @@ MAX_COUNT = 2**53 - 1
 
 
 class Count:
-    """A non-negative integer (a number of tokens), at most ``MAX_COUNT``."""
+    """A non-negative integer (a number of tokens), at most ``MAX_COUNT``;
+    ``minimum`` and ``maximum`` narrow the range (e.g. a thread count)."""
+
+    def __init__(self, minimum: int = 0, maximum: int = MAX_COUNT) -> None:
+        self.minimum, self.maximum = minimum, maximum
 
     def check(self, value: Any, where: str) -> int:
         if value.__class__ is not int:
             raise MalformedMessage(f"{where}: {type(value).__name__}")
-        if not 0 <= value <= MAX_COUNT:
+        if not self.minimum <= value <= self.maximum:
             raise MalformedMessage(f"{where}: {value} is out of range")
         return value
 

@@ -43,6 +43,9 @@ class RecordingSink:
     def report_progress(self, *args):
         pass
 
+    def threads_to_use(self, current: int) -> int:
+        return current
+
     @property
     def text(self):
         return "".join(t for t, _ in self.frames)

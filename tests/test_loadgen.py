@@ -308,6 +308,9 @@ class RecordingSink:
     def report_progress(self, *args) -> None:
         self.progress.append(args)
 
+    def threads_to_use(self, current: int) -> int:
+        return current
+
 
 FAST = SyntheticEngine(tokens_per_second=100_000, n_ctx=64)
 

@@ -341,6 +341,9 @@ class _Sink:
     def report_progress(self, *args):
         pass
 
+    def threads_to_use(self, current: int) -> int:
+        return current
+
 
 def test_worker_refuses_a_grammar_its_vocabulary_cannot_compile(tiny_model):
     """The frontend cannot resolve a token written as text (``<hello>``); the

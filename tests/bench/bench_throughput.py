@@ -1,19 +1,26 @@
-"""Throughput of the pool vs llama-cpp-python's server vs the ceiling.
+"""Throughput of the pool vs llama.cpp's own server vs the ceiling.
 
     make bench-throughput   # or: python -m tests.bench.bench_throughput
 
-* ``llamapool up --workers 2 --threads 1``, driven by ``llamapool bench`` at
-  concurrency 1, 2 and 4 (at 4, two clients at a time are refused with 503,
-  counted apart, and ask again after ``--wait-after-503``: retrying at once
-  would spin and steal CPU from the workers on a small machine);
-* llama-cpp-python's server (``--n_threads 2 --interrupt_requests False``:
-  one model, requests served one after another), same loads;
+* ``llamapool up --workers 2`` with ``--threads auto`` (a busy worker uses
+  the host's cores / busy workers, changed mid-job) and with ``--threads 1``,
+  driven by ``llamapool bench`` at concurrency 1, 2 and 4 (at 4, two
+  clients at a time are refused with 503, counted apart, and ask again after
+  ``--wait-after-503``: retrying at once would spin and steal CPU from the
+  workers on a small machine);
+* ``llama-server -np 2`` with ``-t 2`` and with ``-t 1``, built from the
+  llama.cpp vendored in the installed llama-cpp-python
+  (``tests.bench.llama_server``; built once, cached), same loads; it queues
+  what its two slots cannot take instead of refusing;
+* with ``--llama-cpp-python``: llama-cpp-python's own server too
+  (``--n_threads 2``, one request at a time);
 * the ceiling: two processes each running a bare ``Llama.generate`` loop
   with one thread, side by side, no HTTP at all (run before and after the
   servers; the better run counts).
 
-Same model (Gemma 3 270M by default), same prompt, ``--tokens`` tokens per
-request with ``ignore_eos``. Each load runs for ``--duration`` seconds.
+Same model (Gemma 3 270M by default), same prompt, same client, ``--tokens``
+tokens per request with ``ignore_eos``. Each load runs for ``--duration``
+seconds.
 """
 
 from __future__ import annotations
@@ -38,8 +45,9 @@ def load_rows(name: str, url: str, args) -> list[list]:
         )
         rows.append([
             name, c, report["requests_per_s"], report["output_tokens_per_s"], None,
-            report["ttft_ms"]["p50"], report["latency_ms"]["p50"],
-            report["rejections_per_s"], report["requests_failed"],
+            report["ttft_ms"]["p50"], report["ttft_ms"]["p99"],
+            report["latency_ms"]["p50"], report["rejections_per_s"],
+            report["requests_failed"],
         ])
     return rows
 
@@ -54,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a refused client's pause before it asks again")
     parser.add_argument("--ceiling-reps", type=int, default=20,
                         help="generations per process for the ceiling")
+    parser.add_argument("--llama-cpp-python", action="store_true",
+                        help="also measure llama-cpp-python's own server")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 3 s per level, 16 tokens, 2 ceiling reps")
     args = parser.parse_args(argv)
@@ -69,31 +79,43 @@ def main(argv: list[str] | None = None) -> int:
     # Measured before and after the servers; the better run is the ceiling
     # (on a shared machine a neighbour's burst only ever lowers it).
     ceilings = [measure_ceiling()]
-    server, url = harness.llamapool_up(model, workers=2, threads=1)
-    try:
-        rows = load_rows("llamapool up (2 workers × 1 thread)", url, args)
-    finally:
-        server.stop()
-    server, url = harness.llama_cpp_server(
-        model, n_threads=2, extra=("--interrupt_requests", "False"))
-    try:
-        rows += load_rows("llama-cpp-python server (2 threads)", url, args)
-    finally:
-        server.stop()
+    targets = [
+        ("llamapool up (2 workers, --threads auto)",
+         lambda: harness.llamapool_up(model, workers=2, threads="auto")),
+        ("llamapool up (2 workers × 1 thread)",
+         lambda: harness.llamapool_up(model, workers=2, threads=1)),
+        ("llama-server -np 2 -t 2",
+         lambda: harness.llama_server(model, slots=2, n_threads=2)),
+        ("llama-server -np 2 -t 1",
+         lambda: harness.llama_server(model, slots=2, n_threads=1)),
+    ]
+    if args.llama_cpp_python:
+        targets.append(("llama-cpp-python server (2 threads)",
+                        lambda: harness.llama_cpp_server(
+                            model, n_threads=2,
+                            extra=("--interrupt_requests", "False"))))
+    rows = []
+    for name, start in targets:
+        server, url = start()
+        try:
+            rows += load_rows(name, url, args)
+        finally:
+            server.stop()
     ceilings.append(measure_ceiling())
     ceiling = max(ceilings, key=lambda c: c["output_tokens_per_s"])
     for row in rows:
         row[4] = harness.ratio(row[3], ceiling["output_tokens_per_s"])
     rows.append(["ceiling: 2 × Llama.generate (1 thread each)", "-",
                  ceiling["requests_per_s"], ceiling["output_tokens_per_s"], 1.0,
-                 None, None, None, None])
+                 None, None, None, None, None])
 
     print(f"## Throughput ({os.path.basename(model)}, {args.tokens} tokens, "
           f"ignore_eos, {args.duration:.0f} s per level, {os.cpu_count()} cores, "
           f"refused clients wait {args.wait_after_503} s)\n")
     print(harness.md_table(
         ["target", "concurrency", "completed req/s", "output tokens/s",
-         "× ceiling", "TTFT p50 ms", "latency p50 ms", "503/s", "failed"],
+         "× ceiling", "TTFT p50 ms", "TTFT p99 ms", "latency p50 ms", "503/s",
+         "failed"],
         rows,
     ))
     print("\nceiling runs (output tokens/s): "

@@ -166,7 +166,7 @@ class Server:
         self.stop()
 
 
-def llamapool_up(model: str, workers: int, threads: int, *, ctx: int = 2048,
+def llamapool_up(model: str, workers: int, threads: int | str, *, ctx: int = 2048,
                  extra: tuple[str, ...] = ()) -> tuple[Server, str]:
     """``llamapool up`` on a free port; returns the server and its base URL."""
     port = free_port()
@@ -209,6 +209,18 @@ def llama_cpp_server(model: str, n_threads: int, *, ctx: int = 2048,
             "--n_threads", str(n_threads), "--n_threads_batch", str(n_threads),
             *extra]
     return Server("llama-cpp-server", argv, url + "/v1/models"), url
+
+
+def llama_server(model: str, slots: int, n_threads: int, *, ctx: int = 2048
+                 ) -> tuple[Server, str]:
+    """llama.cpp's ``llama-server`` (built from the workers' own llama.cpp,
+    ``tests.bench.llama_server``) on a free port."""
+    from tests.bench import llama_server as build
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = build.argv(model, slots=slots, n_threads=n_threads, port=port, ctx=ctx)
+    return Server("llama-server", argv, url + "/health"), url
 
 
 def run_load(url: str, **config) -> dict:

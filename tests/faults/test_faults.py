@@ -180,7 +180,12 @@ def test_kill_gunicorn_worker_holding_two_streams(fault_pool):
     wait_until(lambda: httpx.post(pool.url + "/v1/completions", json={
         "prompt": "Hi", "max_tokens": 2}).status_code == 200, 30, "service again")
     record_releases(pool, fig, before)
-    assert pool.status()["cancel_release_s"]["count"] >= before + 2
+    # The broker cancelled the dead frontend's jobs. Only the second one's
+    # cancel is certain: the first stream has been paused since before the
+    # search for a second one on the same process, and on a loaded machine
+    # the workers' 3 s stall timeout may end it first (freeing its slot as
+    # well; record_recovery above proved both slots came back).
+    assert pool.status()["cancel_release_s"]["count"] >= before + 1
 
 
 # 4 -----------------------------------------------------------------------------------

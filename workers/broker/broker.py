@@ -50,6 +50,8 @@ from workers.broker.pool_stats import PoolStats
 from workers.broker.restarts import HostDeaths
 from workers.broker.security import BrokerSecurity
 from workers.broker.settings import BrokerSettings
+from workers.broker.step_down import HeldSubmit, HeldSubmits
+from workers.broker.thread_budget import budgets
 
 log = logging.getLogger("llamapool.broker")
 
@@ -95,8 +97,11 @@ class Broker:
         # Frontends whose send pipe was full; dropped after the current
         # message (never in the middle of handling one).
         self._stuck_frontends: set[bytes] = set()
+        #: SUBMITs waiting for running ``--threads auto`` workers to step down.
+        self._held = HeldSubmits()
         for name in ("worker_refused_full", "worker_unresponsive",
-                     "frontend_send_full", "malformed_dropped"):
+                     "frontend_send_full", "malformed_dropped",
+                     "submits_held_for_step_down", "step_down_waits_expired"):
             self.counters[name] = 0  # exported from the start, as zeros
         self._frontend_sock: zmq.Socket | None = None
         self._worker_sock: zmq.Socket | None = None
@@ -204,7 +209,8 @@ class Broker:
         next_beat = time.monotonic()
         try:
             while not stop.is_set():
-                timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
+                wake_at = min(next_beat, self._held.next_deadline() or next_beat)
+                timeout_ms = max(0.0, wake_at - time.monotonic()) * 1000
                 ready = dict(poller.poll(min(timeout_ms, interval_s * 1000)))
                 if self._worker_sock in ready:
                     self._drain(self._worker_sock, curve.WORKERS,
@@ -215,6 +221,10 @@ class Broker:
                                 self._on_frontend_frames, self._malformed)
                 self._drop_stuck_frontends()
                 now = time.monotonic()
+                if self._held:
+                    held = self._held.due(now)
+                    self.counters["step_down_waits_expired"] += len(held)
+                    self._send_held(held)
                 if now >= next_beat:
                     self._heartbeat_and_expire(now)
                     self._sd.watchdog(now)
@@ -396,7 +406,16 @@ class Broker:
                 ident, messages.NoSlot(msg.job_id, self.ledger.retry_after_s(now))
             )
             return
-        if not self._to_worker(slot.identity, raw):
+        # Before the SUBMIT: the new worker learns its own share first, and
+        # the host's running workers step down before the new job starts
+        # (its SUBMIT waits for them: workers.broker.step_down).
+        stepping_down = self._retune_threads()
+        stepping_down.pop(slot.identity, None)
+        if stepping_down and self.settings.step_down_wait_s > 0:
+            self.counters["submits_held_for_step_down"] += 1
+            self._held.hold(msg.job_id, slot.identity, raw, stepping_down,
+                            now + self.settings.step_down_wait_s)
+        elif not self._to_worker(slot.identity, raw):
             # The worker vanished between its last beat and now.
             self._worker_died(slot.identity, "unreachable")
             self._to_frontend(
@@ -411,8 +430,26 @@ class Broker:
         job = self.ledger.jobs.get(job_id)
         if job is None or job.frontend != ident:
             return  # already finished: the terminal frame crossed the cancel
-        if self.ledger.request_cancel(job_id, now) is not None:
-            self._to_worker(job.worker, messages.Cancel(job_id))
+        self._cancel_job(job, now)
+
+    def _cancel_job(self, job: ledger_mod.Job, now: float) -> None:
+        if self.ledger.request_cancel(job.job_id, now) is not None:
+            # A held SUBMIT goes first: the worker then ends the job itself,
+            # with the terminal frame that frees the slot.
+            self._send_held([self._held.release(job.job_id)])
+            self._to_worker(job.worker, messages.Cancel(job.job_id))
+
+    def _send_held(self, held: list[HeldSubmit | None]) -> None:
+        """Send the SUBMITs whose wait for a step-down is over, if their job
+        is still the one assigned to that worker."""
+        for h in held:
+            if h is None:
+                continue
+            job = self.ledger.jobs.get(h.job_id)
+            if job is None or job.worker != h.worker:
+                continue  # failed or ended meanwhile (its worker died)
+            if not self._to_worker(h.worker, h.frames):
+                self._worker_died(h.worker, "unreachable")
 
     # --- worker side -------------------------------------------------------------
 
@@ -475,6 +512,8 @@ class Broker:
                     progress.job_id == slot.job_id):
                 self.ledger.record_progress(slot, progress, now)
                 self.ledger.job_heard(slot.job_id)
+        elif isinstance(msg, messages.ThreadsSet):
+            self._send_held(self._held.stepped_down(ident, msg.n_threads))
         elif isinstance(msg, messages.Disconnect):
             # The worker is shutting down: no new jobs. Its current job (if
             # any) still ends with a terminal frame, which frees the slot.
@@ -510,6 +549,27 @@ class Broker:
         if slot is not None and slot.draining:
             self.ledger.remove_worker(job.worker)
         self.counters["finished"] += 1
+        self._send_held(self._held.worker_idle(job.worker))
+        self._retune_threads()  # the host's other busy workers step up
+
+    def _retune_threads(self) -> dict[bytes, int]:
+        """Send THREADS to each busy ``--threads auto`` worker whose share of
+        its host's cores changed (``workers.broker.thread_budget``).
+
+        Returns the workers told to use fewer threads than before, with the
+        count each was told.
+        """
+        stepping_down: dict[bytes, int] = {}
+        for ident, n_threads in budgets(self.ledger.workers.values()).items():
+            slot = self.ledger.workers[ident]
+            # Never told: the worker loaded with all its host's pool cores.
+            current = slot.threads_told or slot.info.pool_cores
+            if current != n_threads:
+                slot.threads_told = n_threads
+                self._to_worker(ident, messages.Threads(n_threads))
+                if n_threads < current:
+                    stepping_down[ident] = n_threads
+        return stepping_down
 
     def _fail_job(self, job: ledger_mod.Job, code: ErrorCode, message: str) -> None:
         self.counters["failed_" + code] += 1
@@ -519,6 +579,7 @@ class Broker:
         slot = self.ledger.workers.get(ident)
         orphan = self.ledger.remove_worker(ident)
         self.counters["worker_deaths"] += 1
+        self._send_held(self._held.worker_idle(ident))
         if slot is not None:
             self._deaths_by_host.died(slot.info.host)
             self._log.warning(
@@ -535,8 +596,7 @@ class Broker:
     def _frontend_gone(self, ident: bytes, now: float) -> None:
         """Forget a frontend and cancel the jobs it held."""
         for job in self.ledger.remove_frontend(ident):
-            if self.ledger.request_cancel(job.job_id, now) is not None:
-                self._to_worker(job.worker, messages.Cancel(job.job_id))
+            self._cancel_job(job, now)
 
     def _drop_stuck_frontends(self) -> None:
         """A frontend whose pipe is full does not read: frozen or hostile. A
@@ -592,6 +652,8 @@ class Broker:
                               ident[:16].hex())
             self._frontend_gone(ident, now)
         self._expire_mute_jobs(now)
+        # Also catches busy workers that died or left since the last change.
+        self._retune_threads()
         if self.metrics is not None:
             self.metrics.publish(self.snapshot(now))
         beat = messages.Heartbeat().to_wire()

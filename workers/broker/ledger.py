@@ -57,6 +57,9 @@ class WorkerSlot:
     cached_blocks: list = dataclasses.field(default_factory=list)
     #: Blocks the current job's prompt shared with that cache when assigned.
     shared_blocks_at_assign: int = 0
+    #: The thread count last sent in THREADS (``--threads auto`` workers);
+    #: None: nothing sent yet.
+    threads_told: int | None = None
 
 
 @dataclasses.dataclass

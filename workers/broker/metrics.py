@@ -96,6 +96,14 @@ class PoolCollector:
                       "Open connections dropped because their CURVE key was "
                       "revoked after the handshake",
                       counters.get("curve_revoked_peers", 0))
+        yield counter("llamapool_broker_submits_held_for_step_down_total",
+                      "SUBMITs held until --threads auto workers on the same "
+                      "host stepped down",
+                      counters.get("submits_held_for_step_down", 0))
+        yield counter("llamapool_broker_step_down_waits_expired_total",
+                      "Held SUBMITs sent before every step-down was confirmed "
+                      "(a worker was inside a long prompt batch)",
+                      counters.get("step_down_waits_expired", 0))
         release = stats.cancel_release_s
         buckets = [(str(b), c) for b, c in zip(release.buckets, release.cumulative)]
         buckets.append(("+Inf", release.cumulative[-1]))

@@ -16,6 +16,7 @@ the default (``protocol.settings.load``). Every default is documented here:
 | LLAMAPOOL_BROKER_METRICS_PORT        | 0          | port for own /metrics (0: off)   |
 | LLAMAPOOL_MAX_WORKERS                | 1024       | more registrations are refused   |
 | LLAMAPOOL_FIRST_FRAME_TIMEOUT_S      | 30.0       | job fails if its worker is mute  |
+| LLAMAPOOL_STEP_DOWN_WAIT_S           | 0.25       | SUBMIT waits for step-downs      |
 
 ``max_workers`` bounds the ledger (and with it every STATUS reply and the
 per-host restart table): a flood of fake registrations beyond it gets
@@ -30,6 +31,11 @@ GIL), so it shows the job within about one heartbeat interval however slow
 the prefill; 30 s is thirty of those. A worker that stays silent on the job
 loses it (its frontend gets ERROR ``worker_unresponsive``, not a hang) and is
 dropped from the ledger with DISCONNECT.
+
+``step_down_wait_s``: with ``--threads auto`` workers, a new job's SUBMIT
+waits until the running workers on its host confirm they use fewer threads,
+at most this long (``workers.broker.step_down``). 0 sends it at once, as
+fixed ``--threads`` pools do (for comparison: ``make bench-thread-stepdown``).
 """
 
 from __future__ import annotations
@@ -78,6 +84,8 @@ class BrokerSettings:
         1024, "LLAMAPOOL_MAX_WORKERS", "more registrations are refused")
     first_frame_timeout_s: float = setting(
         30.0, "LLAMAPOOL_FIRST_FRAME_TIMEOUT_S", "job fails if its worker is mute")
+    step_down_wait_s: float = setting(
+        0.25, "LLAMAPOOL_STEP_DOWN_WAIT_S", "SUBMIT waits for step-downs")
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_workers <= MAX_WORKERS_LIMIT:
@@ -85,6 +93,8 @@ class BrokerSettings:
                               f"between 1 and {MAX_WORKERS_LIMIT}")
         if not self.first_frame_timeout_s > 0:
             raise ConfigError("LLAMAPOOL_FIRST_FRAME_TIMEOUT_S must be positive")
+        if not 0 <= self.step_down_wait_s <= 10:
+            raise ConfigError("LLAMAPOOL_STEP_DOWN_WAIT_S must be from 0 to 10")
 
 
 #: The single role-less directory of earlier versions. It authorised every

@@ -112,6 +112,11 @@ class JobSink(Protocol):
                         n_ctx_used: int) -> None:
         """Publish live progress for heartbeats (cheap, lock-free)."""
 
+    def threads_to_use(self, current: int) -> int:
+        """The thread count for the next decode, given the one in use
+        (``--threads auto`` changes it while a job runs; else ``current``).
+        Cheap: called between tokens."""
+
 
 @dataclasses.dataclass
 class GenerationResult:

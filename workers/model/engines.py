@@ -25,7 +25,7 @@ def load_engine(settings: WorkerSettings) -> Engine:
     return LlamaEngine(
         settings.model_path,
         n_ctx=settings.n_ctx,
-        n_threads=settings.n_threads or None,
+        n_threads=settings.starting_threads,
         chat_format=settings.chat_format,
         model_name=settings.model_name or None,
     )

@@ -66,6 +66,8 @@ class LlamaEngine:
             verbose=False,
         )
         self.n_ctx = min(self.llama.n_ctx(), len(self.llama.input_ids))
+        #: Threads the context decodes with now (prompt and tokens alike).
+        self.n_threads = self.llama.n_threads
         self.model_name = model_name or os.path.basename(model_path)
         self._vocab = self.llama._model.vocab
         self.prompts = PromptBuilder(self.llama, chat_format)
@@ -142,6 +144,7 @@ class LlamaEngine:
         plan = kv_cache.plan_reuse(self.llama, prompt)
         grammar, logprobs = logits.grammar, logits.logprobs
 
+        self._follow_thread_budget(sink)
         detok = IncrementalDetokenizer(self._vocab)
         output = TokenOutput(sink, request.stop + extra_stops)
         n_generated = 0
@@ -196,6 +199,7 @@ class LlamaEngine:
                 if sink.should_stop():
                     finish = "cancelled"
                     break
+                self._follow_thread_budget(sink)
         finally:
             # Closing the generator leaves the last sampled token un-evaluated;
             # kv_cache.plan_reuse accounts for that on the next request.
@@ -214,6 +218,17 @@ class LlamaEngine:
             tail_text=tail,
             tail_logprobs=tail_logprobs,
         )
+
+    def _follow_thread_budget(self, sink: JobSink) -> None:
+        """Between decodes: switch to the thread count the job should use
+        (``--threads auto``). llama.cpp takes it on the next decode; no
+        reload, and greedy output does not change."""
+        wanted = sink.threads_to_use(self.n_threads)
+        if wanted != self.n_threads:
+            llama_cpp.llama_set_n_threads(self.llama._ctx.ctx, wanted, wanted)
+            # Keep Llama's own record true too.
+            self.llama.n_threads = self.llama.n_threads_batch = wanted
+            self.n_threads = wanted
 
     def _tokenize_bias(self, text: str) -> list[int]:
         """The tokens of a ``logit_bias`` text key, as llama.cpp's server

@@ -11,7 +11,8 @@ worker process does. Every default is documented here:
 | LLAMAPOOL_ENGINE               | llama.cpp   | llama.cpp or synthetic (no model) |
 | LLAMAPOOL_MODEL                | (none)      | GGUF file (llama.cpp engine)      |
 | LLAMAPOOL_CTX                  | 2048        | context tokens per slot           |
-| LLAMAPOOL_THREADS              | 0           | llama.cpp threads (0: its choice) |
+| LLAMAPOOL_THREADS              | 0           | llama.cpp threads: N, 0 or auto   |
+| LLAMAPOOL_POOL_CORES           | (all CPUs)  | host cores for auto threads       |
 | LLAMAPOOL_CHAT_FORMAT          | (template)  | named chat format, e.g. gemma     |
 | LLAMAPOOL_MODEL_NAME           | (file name) | name in /v1/models                |
 | LLAMAPOOL_TOKENS_PER_SECOND    | 50.0        | synthetic engine output rate      |
@@ -50,8 +51,14 @@ class WorkerSettings:
     model_path: str = setting(
         "", "LLAMAPOOL_MODEL", "GGUF file (llama.cpp engine)")
     n_ctx: int = setting(defaults.N_CTX, "LLAMAPOOL_CTX", "context tokens per slot")
-    n_threads: int = setting(
-        0, "LLAMAPOOL_THREADS", "llama.cpp threads (0: its choice)")
+    #: ``auto``: the broker gives each busy worker its share of
+    #: ``pool_cores`` among the busy workers on its host
+    #: (``workers.broker.thread_budget``).
+    n_threads: str = setting(
+        "0", "LLAMAPOOL_THREADS", "llama.cpp threads: N, 0 or auto")
+    pool_cores: int = setting(
+        0, "LLAMAPOOL_POOL_CORES", "host cores for auto threads",
+        shown="(all CPUs)")
     chat_format: str | None = setting(
         None, "LLAMAPOOL_CHAT_FORMAT", "named chat format, e.g. gemma",
         shown="(template)")
@@ -86,6 +93,15 @@ class WorkerSettings:
 
     def __post_init__(self) -> None:
         split_endpoints(self.broker_endpoint)  # ConfigError if empty or repeated
+        threads = str(self.n_threads).strip()
+        if threads != "auto" and not (threads.isdigit()
+                                      and int(threads) <= limits.MAX_THREADS):
+            raise ConfigError(f"LLAMAPOOL_THREADS={self.n_threads!r}: a count "
+                              f"from 0 to {limits.MAX_THREADS}, or auto")
+        object.__setattr__(self, "n_threads", threads)
+        if not 0 <= self.pool_cores <= limits.MAX_THREADS:
+            raise ConfigError(f"LLAMAPOOL_POOL_CORES={self.pool_cores}: from 1 "
+                              f"to {limits.MAX_THREADS} (0: the usable CPUs)")
         # The broker drops a READY with longer names as malformed
         # (``protocol.limits``): refuse at startup instead of never
         # registering.
@@ -94,6 +110,24 @@ class WorkerSettings:
             if len(value) > limits.MAX_NAME_CHARS:
                 raise ConfigError(f"{var} is {len(value)} characters; at most "
                                   f"{limits.MAX_NAME_CHARS}")
+
+    @property
+    def auto_threads(self) -> bool:
+        return self.n_threads == "auto"
+
+    @property
+    def host_pool_cores(self) -> int:
+        """Cores this host gives the pool: the setting, else the CPUs this
+        process may run on."""
+        return self.pool_cores or len(os.sched_getaffinity(0))
+
+    @property
+    def starting_threads(self) -> int | None:
+        """Threads the engine loads with (None: llama.cpp's choice). Auto
+        starts as a lone job would; the broker's THREADS adjusts it."""
+        if self.auto_threads:
+            return self.host_pool_cores
+        return int(self.n_threads) or None
 
     @property
     def label(self) -> str:

@@ -110,6 +110,7 @@ class ActiveJob:
         submit: messages.Submit,
         send: Callable[[messages.Message], None],
         settings: WorkerSettings,
+        wanted_threads: Callable[[], tuple[int, float, int] | None] = lambda: None,
     ) -> None:
         self.job_id = submit.job_id
         self.request = submit.request
@@ -128,8 +129,21 @@ class ActiveJob:
         self.stalled = False
         #: monotonic time the job began waiting for credit; None: not waiting.
         self._paused_since: float | None = None
+        #: The worker's current thread budget, when it arrived and its
+        #: sequence number (None: fixed --threads).
+        self._wanted_threads = wanted_threads
+        #: Threads the engine decodes with now (0: not reported yet).
+        self._threads_in_use = 0
+        #: The last budget (sequence number) confirmed to the broker.
+        self._confirmed_budget = -1
 
     # --- called by the link thread -----------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        """Waiting for credit: not decoding, and it applies a new thread
+        budget before it decodes again."""
+        return self._paused_since is not None
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -170,6 +184,29 @@ class ActiveJob:
                 self._paused_since = None
         return not self._cancelled.is_set()
 
+    def threads_to_use(self, current: int) -> int:
+        budget = self._wanted_threads()
+        if budget is None:
+            n = current
+        else:
+            n, told_at, seq = budget
+            if seq != self._confirmed_budget:
+                # The broker may be holding a new job until we step down
+                # (workers.broker.step_down). The engine applies ``n`` right
+                # after this returns, before its next decode.
+                self._confirmed_budget = seq
+                self._send(messages.ThreadsSet(n))
+            if n != current:
+                # How long the host was oversubscribed (or under-used): the
+                # decode that was running when THREADS arrived.
+                # (tests/bench/bench_thread_stepdown.py reads this line.)
+                log.debug("job %s: threads %d -> %d %s, %.1f ms after THREADS",
+                          self.job_id, current, n,
+                          "mid-job" if self._threads_in_use else "at its start",
+                          (time.monotonic() - told_at) * 1000)
+        self._threads_in_use = n  # the engine applies it before its next decode
+        return n
+
     def report_progress(self, n_prompt, n_generated, max_tokens, tokens_per_s,
                         n_ctx_used) -> None:
         # Called for every token: keep just a tuple, replaced whole so the link
@@ -185,7 +222,8 @@ class ActiveJob:
         pause_ends_in_s = None if paused_since is None else max(
             0.0, self._stall_timeout_s - (time.monotonic() - paused_since))
         return JobProgress(self.job_id, *self._progress,
-                           pause_ends_in_s=pause_ends_in_s)
+                           pause_ends_in_s=pause_ends_in_s,
+                           n_threads=self._threads_in_use)
 
 
 class ModelWorker(LinkHandler):
@@ -234,6 +272,11 @@ class ModelWorker(LinkHandler):
         )
         self._stop: StopSignal | None = None
         self._grace_deadline: float | None = None
+        #: --threads auto: the thread count the broker last gave us and when
+        #: (read by the engine between decodes, from the main thread; the
+        #: tuple is replaced whole). None: fixed --threads, never changed.
+        self._thread_budget: tuple[int, float, int] | None = (
+            (settings.starting_threads, 0.0, 0) if settings.auto_threads else None)
 
     @property
     def malformed_dropped(self) -> int:
@@ -327,6 +370,8 @@ class ModelWorker(LinkHandler):
             pid=os.getpid(),
             host=socket.gethostname(),
             engine=self.engine.name,
+            pool_cores=(self.settings.host_pool_cores
+                        if self.settings.auto_threads else 0),
         )
 
     def on_tick(self, now: float) -> None:
@@ -359,6 +404,8 @@ class ModelWorker(LinkHandler):
     def forward(self, msg: messages.Message) -> bool:
         # Everything the main thread sends is a frame of the current job.
         job = self._job
+        if isinstance(msg, messages.ThreadsSet):
+            return True  # about the worker, not the job
         if isinstance(msg, messages.TERMINAL):
             self._job = None
         return job is not None and not job.orphaned
@@ -375,8 +422,20 @@ class ModelWorker(LinkHandler):
                     messages.Error(msg.job_id, ErrorCode.WORKER_BUSY, "slot busy")
                 )
             else:
-                self._job = ActiveJob(msg, self._link.send, self.settings)
+                self._job = ActiveJob(msg, self._link.send, self.settings,
+                                      lambda: self._thread_budget)
                 self._jobs.put(self._job)
+        elif isinstance(msg, messages.Threads):
+            if self._thread_budget is None:
+                log.warning("broker sent THREADS %d to a fixed --threads "
+                            "worker; kept %s", msg.n_threads, self.settings.n_threads)
+            else:
+                seq = self._thread_budget[2] + 1
+                self._thread_budget = (msg.n_threads, time.monotonic(), seq)
+                if job is None or job.paused:
+                    # Not decoding: in force at once (a paused job applies
+                    # it before its next decode).
+                    self._link.send(messages.ThreadsSet(msg.n_threads))
         elif isinstance(msg, messages.Cancel):
             if job is not None and job.job_id == msg.job_id:
                 job.cancel()

@@ -1,0 +1,75 @@
+"""Unit tests for the broker's held SUBMITs (``workers.broker.step_down``)."""
+
+from __future__ import annotations
+
+from protocol import messages
+from protocol.payloads import GenerationRequest
+from workers.broker.step_down import HeldSubmits
+from workers.model.settings import WorkerSettings
+from workers.model.worker import ActiveJob
+
+A, B, C = b"worker-a", b"worker-b", b"worker-c"
+
+
+def held_one(waiting_on=None) -> HeldSubmits:
+    held = HeldSubmits()
+    held.hold("job", C, [b"submit"], waiting_on or {A: 1}, deadline=10.0)
+    return held
+
+
+def test_goes_when_the_running_worker_confirms_its_step_down():
+    held = held_one()
+    assert [h.job_id for h in held.stepped_down(A, 1)] == ["job"]
+    assert len(held) == 0
+
+
+def test_a_count_above_the_one_told_is_not_a_step_down():
+    held = held_one()
+    assert held.stepped_down(A, 2) == []
+    assert len(held) == 1
+
+
+def test_waits_for_every_worker_it_waits_on():
+    held = held_one({A: 1, B: 1})
+    assert held.stepped_down(A, 1) == []
+    assert held.stepped_down(C, 1) == []  # not one it waits on
+    assert [h.job_id for h in held.stepped_down(B, 1)] == ["job"]
+
+
+def test_a_worker_whose_job_ended_or_that_died_is_not_waited_on():
+    held = held_one({A: 1, B: 1})
+    held.worker_idle(A)
+    assert [h.frames for h in held.worker_idle(B)] == [[b"submit"]]
+
+
+def test_the_wait_is_bounded():
+    held = held_one()
+    assert held.next_deadline() == 10.0
+    assert held.due(9.99) == []
+    assert [h.job_id for h in held.due(10.0)] == ["job"]
+    assert held.next_deadline() is None
+    assert held.stepped_down(A, 1) == []  # sent once only
+
+
+def test_a_cancelled_job_is_released_at_once_and_once_only():
+    held = held_one()
+    assert held.release("job").worker == C
+    assert held.release("job") is None
+    assert held.stepped_down(A, 1) == []
+
+
+def test_a_running_job_confirms_each_new_budget_once():
+    """The worker's side: the decode loop confirms a budget when it takes it
+    in force (the broker may be holding a SUBMIT for it), once per THREADS."""
+    sent: list[messages.Message] = []
+    budget = [(2, 0.0, 0)]
+    job = ActiveJob(
+        messages.Submit("j", GenerationRequest(kind="completion", prompt="x")),
+        sent.append, WorkerSettings(broker_endpoint="tcp://127.0.0.1:1"),
+        lambda: budget[0])
+    assert job.threads_to_use(2) == 2
+    budget[0] = (1, 1.0, 1)  # THREADS 1 arrived
+    assert job.threads_to_use(2) == 1
+    assert job.threads_to_use(1) == 1
+    confirmed = [m.n_threads for m in sent if isinstance(m, messages.ThreadsSet)]
+    assert confirmed == [2, 1]
