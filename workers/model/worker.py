@@ -172,9 +172,17 @@ class ActiveJob:
         with self._credit_changed:
             try:
                 while self._credit <= 0 and not self._cancelled.is_set():
-                    # Heartbeats say we are paused, and until when (the
-                    # broker's Retry-After counts on it).
-                    self._paused_since = started
+                    if self._paused_since is None:
+                        # Heartbeats say we are paused, and until when (the
+                        # broker's Retry-After counts on it).
+                        self._paused_since = started
+                        # Not decoding until credit comes: a thread budget
+                        # that came while the last token decoded is in force
+                        # already (it is applied before the next decode).
+                        # Set paused first, then read the budget: the link
+                        # thread stores the budget, then reads ``paused``,
+                        # so one of the two confirms it.
+                        self._confirm_budget()
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         self.stalled = True
@@ -184,18 +192,24 @@ class ActiveJob:
                 self._paused_since = None
         return not self._cancelled.is_set()
 
-    def threads_to_use(self, current: int) -> int:
+    def _confirm_budget(self) -> tuple[int, float, int] | None:
+        """Tell the broker the current thread budget is in force from the next
+        decode on (it may be holding a new job until we step down:
+        ``workers.broker.step_down``), once per budget."""
         budget = self._wanted_threads()
+        if budget is not None and budget[2] != self._confirmed_budget:
+            self._confirmed_budget = budget[2]
+            self._send(messages.ThreadsSet(budget[0]))
+        return budget
+
+    def threads_to_use(self, current: int) -> int:
+        # The engine applies the answer right after this returns, before its
+        # next decode.
+        budget = self._confirm_budget()
         if budget is None:
             n = current
         else:
-            n, told_at, seq = budget
-            if seq != self._confirmed_budget:
-                # The broker may be holding a new job until we step down
-                # (workers.broker.step_down). The engine applies ``n`` right
-                # after this returns, before its next decode.
-                self._confirmed_budget = seq
-                self._send(messages.ThreadsSet(n))
+            n, told_at, _ = budget
             if n != current:
                 # How long the host was oversubscribed (or under-used): the
                 # decode that was running when THREADS arrived.
