@@ -285,6 +285,7 @@ def parse_completion(body: Any) -> ParsedRequest:
         stop=_stop(body),
         grammar=grammar_of(body),
         logprobs=_completion_logprobs(body),
+        timings_per_token=bool(_bool(body, "timings_per_token")),
     )
     _check_stops_with_logprobs(generation)
     return ParsedRequest(generation, stream, include_usage, _model(body))
@@ -329,6 +330,11 @@ def parse_chat(body: Any) -> ParsedRequest:
                              param=f"{where}.role")
         content = _content_text(message.get("content"), where)
         chat.append(ChatMessage(role, content))
+    if len(chat) >= 2 and chat[-1].role == chat[-2].role == "assistant":
+        # llama.cpp's refusal, word for word (there, a final assistant
+        # message is continued, and two of them leave no one to continue).
+        raise BadRequest("Cannot have 2 or more assistant messages at the end "
+                         "of the list.", param="messages")
     _tools(body)
     stream, include_usage = _stream_options(body)
     generation = GenerationRequest(
@@ -339,6 +345,7 @@ def parse_chat(body: Any) -> ParsedRequest:
         stop=_stop(body),
         grammar=grammar_of(body),
         logprobs=_chat_logprobs(body),
+        timings_per_token=bool(_bool(body, "timings_per_token")),
     )
     _check_stops_with_logprobs(generation)
     return ParsedRequest(generation, stream, include_usage, _model(body))

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from frontend.errors import BadRequest
+from frontend.errors import BadRequest, ContextSizeExceeded
+from protocol.errors import context_exceeded_message
 from protocol.payloads import CHAT, GenerationRequest
 
 
@@ -54,7 +55,8 @@ class PromptGate:
                              param="messages") from None
         except PromptTooLong as exc:
             param = "messages" if generation.kind == CHAT else "prompt"
-            raise BadRequest(str(exc), param=param,
-                             code="context_length_exceeded") from None
+            raise ContextSizeExceeded(
+                context_exceeded_message(exc.at_least, exc.n_ctx, exc.exact),
+                exc.at_least, exc.n_ctx, param=param) from None
         return dataclasses.replace(generation, prompt_tokens=tokens,
                                    extra_stops=stops)

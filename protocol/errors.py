@@ -56,3 +56,16 @@ class ErrorCode(str, enum.Enum):
 
     def __format__(self, spec: str) -> str:
         return self.value.__format__(spec)
+
+
+def context_exceeded_message(n_prompt_tokens: int, n_ctx: int,
+                             exact: bool = True) -> str:
+    """The message of ``CONTEXT_LENGTH_EXCEEDED``, worded as llama.cpp's
+    server words it, so clients that match its text keep working.
+
+    Not ``exact``: tokenising stopped once the context was full (bounded work,
+    ``workers.model.tokenizing``), so the count is a lower bound and says so.
+    """
+    count = f"{n_prompt_tokens}" if exact else f"at least {n_prompt_tokens}"
+    return (f"request ({count} tokens) exceeds the available context size "
+            f"({n_ctx} tokens), try increasing it")

@@ -112,7 +112,7 @@ class Sampling(WireRecord):
              messages=ListOf(ChatMessage), max_tokens=Optional(_INT),
              sampling=Sampling, stop=ListOf(_STR),
              prompt_tokens=Optional(ListOf(_INT)), extra_stops=ListOf(_STR),
-             grammar=_STR, logprobs=Optional(_INT))
+             grammar=_STR, logprobs=Optional(_INT), timings_per_token=_BOOL)
 class GenerationRequest(WireRecord):
     """One generation, as validated at the HTTP door (``frontend.openai_schema``).
 
@@ -138,6 +138,9 @@ class GenerationRequest(WireRecord):
     #: None: no log-probabilities. N: each generated token's log-probability
     #: and its N most likely alternatives (0 to ``MAX_TOP_LOGPROBS``).
     logprobs: int | None = None
+    #: llama.cpp's ``timings_per_token``: every TOKEN frame carries the
+    #: timings so far, which the frontend puts on every streamed chunk.
+    timings_per_token: bool = False
 
 
 # --- log-probabilities of generated tokens (TOKEN, FINAL) -------------------------
@@ -216,23 +219,55 @@ class Usage(WireRecord):
 
 
 @wire_record(prompt_n=_COUNT, prompt_ms=_NON_NEGATIVE, predicted_n=_COUNT,
-             predicted_ms=_NON_NEGATIVE, predicted_per_second=_NON_NEGATIVE)
+             predicted_ms=_NON_NEGATIVE, predicted_per_second=_NON_NEGATIVE,
+             cache_n=_COUNT)
 class Timings(WireRecord):
     """llama.cpp's server's ``timings``: prompt evaluation and generation.
 
     ``prompt_n`` counts only the prompt tokens computed (not those reused
-    from the cache); times are milliseconds.
+    from the cache, which are ``cache_n``); times are milliseconds, measured
+    by the worker. A FINAL frame carries the job's; a TOKEN frame carries
+    them so far when the request asked (``timings_per_token``).
     """
 
     prompt_n: int
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
+    #: Kept on the wire for older peers; ``public`` derives it from n and ms.
     predicted_per_second: float = 0.0
+    #: Prompt tokens the KV cache already held (llama.cpp's ``cache_n``).
+    cache_n: int = 0
 
     def public(self) -> dict:
-        """The ``timings`` object of a response, as llama.cpp's server names it."""
-        return dataclasses.asdict(self)
+        """The ``timings`` object of a response: llama.cpp's nine fields.
+
+        The rates are derived here from the counts and times, as llama.cpp's
+        ``server_slot_stats`` derives them, so they are always consistent
+        (``per_second = n / ms * 1000``, ``per_token_ms = ms / n``; 0 when
+        the divisor is 0).
+        """
+        return {
+            "cache_n": self.cache_n,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": _per_token_ms(self.prompt_ms, self.prompt_n),
+            "prompt_per_second": _per_second(self.prompt_n, self.prompt_ms),
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": _per_token_ms(self.predicted_ms,
+                                                    self.predicted_n),
+            "predicted_per_second": _per_second(self.predicted_n,
+                                                self.predicted_ms),
+        }
+
+
+def _per_token_ms(ms: float, n: int) -> float:
+    return ms / n if n > 0 else 0.0
+
+
+def _per_second(n: int, ms: float) -> float:
+    return 1e3 / ms * n if ms > 0 else 0.0
 
 
 # --- pool status (the STATUS reply) -------------------------------------------------

@@ -23,6 +23,7 @@ from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.engine import (
     GenerationResult,
     JobSink,
+    LiveTimings,
     RequestRejected,
     TokenOutput,
     token_budget,
@@ -102,8 +103,8 @@ class LlamaEngine:
         except PromptError as exc:
             raise RequestRejected(ErrorCode.INVALID_MESSAGES, str(exc)) from None
         except PromptTooLong as exc:
-            raise RequestRejected(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                                  str(exc)) from None
+            raise RequestRejected.context_exceeded(
+                exc.at_least, exc.n_ctx, exc.exact) from None
 
     # --- generation --------------------------------------------------------------
 
@@ -143,7 +144,9 @@ class LlamaEngine:
         grammar, logprobs = logits.grammar, logits.logprobs
 
         detok = IncrementalDetokenizer(self._vocab)
-        output = TokenOutput(sink, request.stop + extra_stops)
+        live = (LiveTimings(started, len(prompt), plan.cached_tokens)
+                if request.timings_per_token else None)
+        output = TokenOutput(sink, request.stop + extra_stops, live)
         n_generated = 0
         first_token_at = None
         finish = "length"

@@ -23,6 +23,7 @@ from protocol.payloads import CHAT, GenerationRequest
 from workers.model.engine import (
     GenerationResult,
     JobSink,
+    LiveTimings,
     RequestRejected,
     TokenOutput,
     token_budget,
@@ -76,7 +77,9 @@ class SyntheticEngine:
         started = time.perf_counter()
         n_prompt = count_prompt_tokens(request)
         max_tokens = token_budget(n_prompt, self.n_ctx, request.max_tokens)
-        output = TokenOutput(sink, request.stop + request.extra_stops)
+        live = (LiveTimings(started, n_prompt, 0)
+                if request.timings_per_token else None)
+        output = TokenOutput(sink, request.stop + request.extra_stops, live)
         interval_s = 1.0 / self.tokens_per_second
 
         n_generated = 0
