@@ -16,6 +16,7 @@ import falcon
 from frontend import metrics, openai_schema
 from frontend.auth import ApiKeyMiddleware
 from frontend.broker_link import BrokerLink
+from frontend.cors import cors_middleware
 from frontend.errors import (
     Unavailable,
     install_error_handlers,
@@ -196,6 +197,10 @@ class MetricsResource(LedgerView):
         snapshot = self.link.status(self.settings.health_timeout_s)
         resp.data = metrics.render(snapshot)
         resp.content_type = metrics.CONTENT_TYPE
+        if snapshot is not None:
+            # llama.cpp's header: when the counters began (a reset before it).
+            resp.set_header("Process-Start-Time-Unix",
+                            str(int(snapshot.stats.started_at_unix)))
 
 
 class SlotsResource(LedgerView):
@@ -274,11 +279,14 @@ def create_app(
     )
     app = LlamapoolApp(
         middleware=[
+            # First, so that its process_response tags every answer, a 401
+            # from the key check included (``frontend.cors``).
+            cors_middleware(settings.cors_origins),
             RequestIdMiddleware(),
             RequestLogMiddleware(),
             ApiKeyMiddleware(settings.api_keys),
         ],
-        cors_enable=False,
+        cors_enable=False,  # the middleware above, configured, instead
     )
     app.req_options.strip_url_path_trailing_slash = True
     install_error_handlers(app)

@@ -102,6 +102,10 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 def _add_liveness_flags(p: argparse.ArgumentParser, cls: type) -> None:
     setting_flag(p, "--heartbeat-interval-s", cls, "heartbeat_interval_s",
                  type=_positive_float)
@@ -240,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_liveness_flags(frontend, F)
     setting_flag(frontend, "--curve-server-key", F, "curve_server_key")
     setting_flag(frontend, "--curve-secret-key", F, "curve_secret_key")
+    setting_flag(frontend, "--cors-origins", F, "cors_origins", type=_origins,
+                 help="comma-separated web origins allowed to call the API "
+                      "from a browser, or '*' (llama.cpp's --cors-origins)")
 
     model = sub.add_parser("make-test-model", help="write the tiny test GGUF")
     model.add_argument("path")

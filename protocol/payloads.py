@@ -318,7 +318,9 @@ class HistogramSnapshot(WireRecord):
 @wire_record(prompt_tokens_total=_INT, tokens_generated_total=_INT,
              request_success_total=_INT, request_fail_total=_INT,
              request_cancelled_total=_INT, prompt_seconds_total=_NUM,
-             tokens_seconds_total=_NUM, cancel_release_s=HistogramSnapshot)
+             tokens_seconds_total=_NUM, cancel_release_s=HistogramSnapshot,
+             prompt_tokens_cached_total=_INT, n_tokens_max=_INT,
+             n_decode_total=_INT, started_at_unix=_NUM)
 class PoolTotals(WireRecord):
     """Totals over every job the broker saw end (``workers.broker.pool_stats``)."""
 
@@ -331,6 +333,16 @@ class PoolTotals(WireRecord):
     tokens_seconds_total: float
     #: From cancel (client gone) to the slot being free in the ledger.
     cancel_release_s: HistogramSnapshot
+    #: Prompt tokens reused from a KV cache instead of computed.
+    prompt_tokens_cached_total: int = 0
+    #: The longest sequence (prompt + generation) any job reached.
+    n_tokens_max: int = 0
+    #: Model evaluations: one per job whose prompt was computed, plus one
+    #: per generated token (``workers.broker.pool_stats``).
+    n_decode_total: int = 0
+    #: When these totals began (the broker's start, epoch seconds): what
+    #: llama.cpp's ``Process-Start-Time-Unix`` header tells a scraper.
+    started_at_unix: float = 0.0
 
 
 @wire_record(slots=ListOf(SlotStatus), slots_total=_INT, slots_loading=_INT,
