@@ -30,7 +30,7 @@ from prometheus_client import (
 )
 
 from protocol.payloads import PoolStatus
-from workers.broker import llamacpp_metrics
+from workers.broker.llamacpp_metrics import render as render_llamacpp
 from workers.broker.metrics import PoolCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -95,5 +95,5 @@ def render(snapshot: PoolStatus | None) -> bytes:
     if snapshot is not None:
         registry.register(PoolCollector(snapshot))
         # llama.cpp's own series too, under their exact names.
-        return generate_latest(registry) + llamacpp_metrics.render(snapshot)
+        return generate_latest(registry) + render_llamacpp(snapshot)
     return generate_latest(registry)
