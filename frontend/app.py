@@ -107,6 +107,7 @@ class GenerationResource:
             job.model or s.model_name or parsed.model or "llamapool",
             parsed.include_usage,
             parsed.logprobs,
+            tools=parsed.tools,
         )
         resp.set_header("X-Slot-Id", str(job.slot_id))
         # Which gunicorn process holds the lease: for operators and fault tests.

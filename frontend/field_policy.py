@@ -24,7 +24,7 @@ COMMON_FIELDS = frozenset({
 })
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "tools",
-                               "functions", "tool_choice"}
+                               "functions", "function_call", "tool_choice"}
 
 #: Accepted and ignored on purpose (README, "Request fields"): they ask the
 #: server to record or label a request, which it does not do, and change no

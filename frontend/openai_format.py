@@ -10,6 +10,7 @@ import time
 
 from frontend.errors import http_form
 from frontend.logprob_format import CompletionLogprobs, chat_logprobs
+from frontend.tool_calls import split_calls
 from protocol.payloads import Timings, TokenLogprob, Usage
 
 
@@ -28,6 +29,12 @@ def fingerprint(model: str) -> str:
     digest = hashlib.sha256(model.encode()).hexdigest()[:8]
     return (f"llamapool-{_version('llamapool')}-llama-cpp-python-"
             f"{_version('llama_cpp_python')}-{digest}")
+
+
+def _tool_finish(finish_reason: str) -> str:
+    """An answer that ends in calls finishes with ``tool_calls``, as OpenAI
+    and llama.cpp say it (unless it was cut short)."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def _version(distribution: str) -> str:
@@ -50,7 +57,8 @@ class ResponseShaper:
 
     def __init__(self, kind: str, request_id: str, model: str,
                  include_usage: bool = False, logprobs: bool = False,
-                 system_fingerprint: str | None = None) -> None:
+                 system_fingerprint: str | None = None,
+                 tools: bool = False) -> None:
         self.kind = kind
         self.chat = kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
@@ -62,6 +70,11 @@ class ResponseShaper:
                                    is not None else fingerprint(model))
         self._completion_logprobs = CompletionLogprobs()
         self._sent_role = False
+        #: Tools offered: the text is held until the end, where its calls are
+        #: found (``frontend.tool_calls``); then it goes out at once.
+        self.tools = tools and self.chat
+        self._held_text: list[str] = []
+        self._held_entries: list[TokenLogprob] = []
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if not self.logprobs:
@@ -114,8 +127,29 @@ class ResponseShaper:
         """One chunk of output; ``timings`` so far when the request asked for
         them on every token (llama.cpp's ``timings_per_token``)."""
         extra = {} if timings is None else {"timings": timings.public()}
+        if self.tools:
+            self._held_text.append(text)
+            self._held_entries += entries
+            return self._role_chunk()
         return self._role_chunk() + self._chunk(
             [self._choice(text, None, list(entries))], **extra)
+
+    def _released_calls(self, text: str, entries: list[TokenLogprob],
+                        finish_reason: str) -> tuple[bytes, str, str]:
+        """With tools: the held answer as one content or tool-calls chunk;
+        returns it, the finishing chunk's text and finish reason."""
+        whole = "".join(self._held_text) + text
+        content, calls = split_calls(whole)
+        if not calls:
+            return b"", whole, finish_reason
+        delta: dict = {"tool_calls": [{"index": i, **call}
+                                      for i, call in enumerate(calls)]}
+        if content:
+            delta = {"content": content, **delta}
+        chunk = self._chunk([{"index": 0, "delta": delta,
+                              "logprobs": self._logprobs(entries),
+                              "finish_reason": None}])
+        return chunk, "", _tool_finish(finish_reason)
 
     def final_events(self, text: str, finish_reason: str, usage: Usage,
                      timings: Timings, entries: list[TokenLogprob] = ()) -> bytes:
@@ -124,8 +158,16 @@ class ResponseShaper:
         Both carry ``timings``: the finishing chunk as before, and the usage
         chunk because llama.cpp puts them on the stream's last chunk."""
         public = timings.public()
-        out = self._role_chunk() + self._chunk(
-            [self._choice(text, finish_reason, list(entries))], timings=public)
+        entries = list(entries)
+        out = self._role_chunk()
+        if self.tools:
+            entries = self._held_entries + entries
+            calls, text, finish_reason = self._released_calls(
+                text, entries, finish_reason)
+            if calls:
+                out, entries = out + calls, []
+        out += self._chunk([self._choice(text, finish_reason, entries)],
+                           timings=public)
         if self.include_usage:
             out += self._chunk([], usage=usage.public(), timings=public)
         return out + b"data: [DONE]\n\n"
@@ -149,7 +191,14 @@ class ResponseShaper:
               timings: Timings, entries: list[TokenLogprob] = ()) -> dict:
         logprobs = self._logprobs(list(entries))
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            message: dict = {"role": "assistant", "content": text}
+            if self.tools:
+                content, calls = split_calls(text)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": calls}
+                    finish_reason = _tool_finish(finish_reason)
+            choice = {"index": 0, "message": message,
                       "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs,

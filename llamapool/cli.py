@@ -250,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("make-test-model", help="write the tiny test GGUF")
     model.add_argument("path")
+    model.add_argument("--tools-template", action="store_true",
+                       help="a chat template that renders tools")
     _add_bench_parser(sub)
     curve_cli.add_keygen_parser(sub)
     return parser
@@ -377,7 +379,12 @@ def run_make_test_model(args: argparse.Namespace) -> int:
     from llamapool.test_model import write_test_model
 
     try:
-        write_test_model(args.path)
+        if args.tools_template:
+            from llamapool.test_model import TOOLS_CHAT_TEMPLATE
+
+            write_test_model(args.path, chat_template=TOOLS_CHAT_TEMPLATE)
+        else:
+            write_test_model(args.path)
     except ModuleNotFoundError as exc:
         print(f"llamapool make-test-model needs {exc.name}: "
               "pip install 'llamapool[test]'", file=sys.stderr)

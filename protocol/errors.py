@@ -27,6 +27,8 @@ class ErrorCode(str, enum.Enum):
     INVALID_MESSAGES = "invalid_messages"
     INVALID_GRAMMAR = "invalid_grammar"  # the GBNF does not compile
     UNSUPPORTED_FIELD = "unsupported_field"  # this engine cannot do it
+    #: ``tools`` given, but the chat template does not render them.
+    TOOLS_UNSUPPORTED = "tools_unsupported"
     # The worker ended the job.
     CLIENT_STALLED = "client_stalled"  # no credit for the stall timeout
     ENGINE_ERROR = "engine_error"  # the engine raised

@@ -112,7 +112,8 @@ class Sampling(WireRecord):
              messages=ListOf(ChatMessage), max_tokens=Optional(_INT),
              sampling=Sampling, stop=ListOf(_STR),
              prompt_tokens=Optional(ListOf(_INT)), extra_stops=ListOf(_STR),
-             grammar=_STR, logprobs=Optional(_INT), timings_per_token=_BOOL)
+             grammar=_STR, logprobs=Optional(_INT), timings_per_token=_BOOL,
+             tools=_STR)
 class GenerationRequest(WireRecord):
     """One generation, as validated at the HTTP door (``frontend.openai_schema``).
 
@@ -141,6 +142,9 @@ class GenerationRequest(WireRecord):
     #: llama.cpp's ``timings_per_token``: every TOKEN frame carries the
     #: timings so far, which the frontend puts on every streamed chunk.
     timings_per_token: bool = False
+    #: Chat only: the ``tools`` list (OpenAI's shape, as JSON text) for the
+    #: chat template to render; "" offers none (``frontend.tool_calls``).
+    tools: str = ""
 
 
 # --- log-probabilities of generated tokens (TOKEN, FINAL) -------------------------

@@ -30,7 +30,7 @@ from workers.model.engine import (
 )
 from workers.model.grammar import GrammarError
 from workers.model.logits import MAX_BIASED_TOKENS, BiasError, RequestLogits
-from workers.model.prompting import PromptBuilder, PromptError
+from workers.model.prompting import PromptBuilder, PromptError, ToolsUnsupported
 from workers.model.tokenizing import PromptTooLong, TokenizeCancelled
 
 log = logging.getLogger("llamapool.worker")
@@ -100,6 +100,8 @@ class LlamaEngine:
             return given, request.extra_stops
         try:
             return self.prompts.tokens(request, self.n_ctx, sink.should_stop)
+        except ToolsUnsupported as exc:
+            raise RequestRejected(ErrorCode.TOOLS_UNSUPPORTED, str(exc)) from None
         except PromptError as exc:
             raise RequestRejected(ErrorCode.INVALID_MESSAGES, str(exc)) from None
         except PromptTooLong as exc:

@@ -70,7 +70,8 @@ class SyntheticEngine:
         # No model, no logits: refuse what needs them rather than ignore it.
         for field, given in (("grammar", request.grammar),
                              ("logprobs", request.logprobs is not None),
-                             ("logit_bias", request.sampling.logit_bias)):
+                             ("logit_bias", request.sampling.logit_bias),
+                             ("tools", request.tools)):
             if given:
                 raise RequestRejected(ErrorCode.UNSUPPORTED_FIELD,
                                       f"the synthetic engine has no {field}")
