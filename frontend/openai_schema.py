@@ -20,7 +20,7 @@ from typing import Any
 from frontend.errors import BadRequest
 from frontend.field_policy import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from frontend.output_constraints import grammar_of
-from frontend.tool_calls import tool_request
+from frontend.tool_calls import calls_as_text, tool_request
 from protocol.limits import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS_WITH_LOGPROBS
 from protocol.payloads import (
     CHAT,
@@ -325,6 +325,12 @@ def parse_chat(body: Any) -> ParsedRequest:
             raise BadRequest(f"{where}.role must be one of {sorted(CHAT_ROLES)}",
                              param=f"{where}.role")
         content = _content_text(message.get("content"), where)
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise BadRequest(f"{where}.tool_calls: only an assistant "
+                                 "message makes tool calls",
+                                 param=f"{where}.tool_calls")
+            content += calls_as_text(message["tool_calls"], f"{where}.tool_calls")
         chat.append(ChatMessage(role, content))
     if len(chat) >= 2 and chat[-1].role == chat[-2].role == "assistant":
         # llama.cpp's refusal, word for word (there, a final assistant

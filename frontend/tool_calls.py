@@ -178,3 +178,30 @@ def split_calls(text: str) -> tuple[str | None, list[dict]]:
     kept.append(text[at:])
     content = "".join(kept).strip() if calls else text
     return (content or None) if calls else content, calls
+
+
+def calls_as_text(calls: Any, where: str) -> str:
+    """An assistant turn's earlier ``tool_calls``, written back in the call
+    form the model was taught, so the template shows the conversation as it
+    happened (``ChatMessage`` carries text). The tool's answer follows as a
+    ``tool`` message, matched by order (its ``tool_call_id`` is not
+    rendered)."""
+    if not isinstance(calls, list):
+        raise BadRequest(f"{where} must be a list", param=where)
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        arguments = fn.get("arguments", "{}") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise BadRequest(f"{where}[{i}] must be {{\"function\": {{\"name\": "
+                             "..., \"arguments\": \"<JSON text>\"}}}}",
+                             param=f"{where}[{i}]")
+        try:
+            parsed = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise BadRequest(f"{where}[{i}].function.arguments is not JSON",
+                             param=f"{where}[{i}].function.arguments") from None
+        body = json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False)
+        out.append(f"{CALL_OPEN}{body}{CALL_CLOSE}")
+    return "".join(out)

@@ -199,3 +199,33 @@ def test_bad_tool_fields_are_400_naming_them(tools_pool, body, param):
     r = chat(tools_pool, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_conversation_continues_after_a_tool_call(tools_pool):
+    """The client sends the call back (assistant ``tool_calls``) with the
+    tool's answer; the template is shown the call in the taught form."""
+    first = client(tools_pool).chat.completions.create(
+        model="x", messages=ASK, tools=[WEATHER], tool_choice="required",
+        max_tokens=256)
+    call = first.choices[0].message.tool_calls[0]
+    history = [*ASK,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": call.id, "type": "function",
+                    "function": {"name": call.function.name,
+                                 "arguments": call.function.arguments}}]},
+               {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"}]
+    answered = chat(tools_pool, {"messages": history, "tools": [WEATHER],
+                                 "max_tokens": 4, "ignore_eos": True})
+    assert answered.status_code == 200, answered.text
+    no_call = [*ASK, {"role": "assistant", "content": None},
+               {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"}]
+    without = chat(tools_pool, {"messages": no_call, "tools": [WEATHER],
+                                "max_tokens": 4, "ignore_eos": True})
+    # The call's text is in the prompt: the name, the arguments, the markers.
+    assert (answered.json()["usage"]["prompt_tokens"]
+            > without.json()["usage"]["prompt_tokens"] + 10)
+    bad = [*ASK, {"role": "assistant", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": "{not json"}}]}]
+    r = chat(tools_pool, {"messages": bad, "tools": [WEATHER]})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
