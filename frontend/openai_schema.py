@@ -281,7 +281,8 @@ def parse_completion(body: Any) -> ParsedRequest:
         stop=_stop(body),
         grammar=grammar_of(body),
         logprobs=_completion_logprobs(body),
-        timings_per_token=bool(_bool(body, "timings_per_token")),
+        # Per-token timings go on streamed chunks; a whole answer has its own.
+        timings_per_token=bool(_bool(body, "timings_per_token")) and stream,
     )
     _check_stops_with_logprobs(generation)
     return ParsedRequest(generation, stream, include_usage, _model(body))
@@ -354,7 +355,8 @@ def parse_chat(body: Any) -> ParsedRequest:
         stop=_stop(body),
         grammar=grammar,
         logprobs=_chat_logprobs(body),
-        timings_per_token=bool(_bool(body, "timings_per_token")),
+        # Per-token timings go on streamed chunks; a whole answer has its own.
+        timings_per_token=bool(_bool(body, "timings_per_token")) and stream,
         tools=json.dumps(tools.tools) if tools.active else "",
     )
     _check_stops_with_logprobs(generation)

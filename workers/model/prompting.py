@@ -106,7 +106,10 @@ class PromptBuilder:
                         "this model's chat template does not support tools "
                         "(it never mentions 'tools'); use tool_choice 'none' "
                         "or a model whose template renders them")
-                extra["tools"] = json.loads(request.tools)
+                try:
+                    extra["tools"] = json.loads(request.tools)
+                except ValueError:  # the frontend sends JSON; a peer might not
+                    raise PromptError("'tools' is not JSON") from None
             try:
                 rendered = self._format_chat(
                     messages=[m.as_dict() for m in request.messages], **extra)
