@@ -38,7 +38,8 @@ faults: $(STAMP_TEST)
 .PHONY: bench-overhead bench-throughput bench-broker bench-memory bench-generate-loop \
 	bench-curve-roles bench-slow-clients bench-rogue-final bench-prompt-size \
 	bench-retry-after bench-output-controls bench-limits bench-web-page \
-	bench-thread-stepdown llama-server bench-cpu-per-token
+	bench-thread-stepdown llama-server bench-cpu-per-token \
+	bench-llama-details
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -95,6 +96,11 @@ bench-limits: $(STAMP_TEST)
 # Output-control fields (issue 11, section 1): before/after table.
 bench-output-controls: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_output_controls $(BENCH_ARGS)
+
+# llama.cpp's details (issue 11, section 3): one row per detail; run it on two
+# checkouts for a before/after table.
+bench-llama-details: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_llama_details $(BENCH_ARGS)
 
 # The web page: bytes per load and Stop -> slot idle (needs chromium).
 bench-web-page: $(STAMP_TEST)

@@ -17,6 +17,7 @@ from frontend import metrics, openai_schema
 from frontend.auth import ApiKeyMiddleware
 from frontend.broker_link import BrokerLink
 from frontend.broker_pool import BrokerPool
+from frontend.cors import cors_middleware
 from frontend.errors import (
     Unavailable,
     install_error_handlers,
@@ -108,6 +109,7 @@ class GenerationResource:
             job.model or s.model_name or parsed.model or "llamapool",
             parsed.include_usage,
             parsed.logprobs,
+            tools=parsed.tools,
         )
         resp.set_header("X-Slot-Id", str(job.slot_id))
         # Which gunicorn process holds the lease: for operators and fault tests.
@@ -198,6 +200,10 @@ class MetricsResource(LedgerView):
         snapshot = self.link.status(self.settings.health_timeout_s)
         resp.data = metrics.render(snapshot)
         resp.content_type = metrics.CONTENT_TYPE
+        if snapshot is not None:
+            # llama.cpp's header: when the counters began (a reset before it).
+            resp.set_header("Process-Start-Time-Unix",
+                            str(int(snapshot.stats.started_at_unix)))
 
 
 class SlotsResource(LedgerView):
@@ -287,11 +293,14 @@ def create_app(
     link = link or broker_links(settings)
     app = LlamapoolApp(
         middleware=[
+            # First, so that its process_response tags every answer, a 401
+            # from the key check included (``frontend.cors``).
+            cors_middleware(settings.cors_origins),
             RequestIdMiddleware(),
             RequestLogMiddleware(),
             ApiKeyMiddleware(settings.api_keys),
         ],
-        cors_enable=False,
+        cors_enable=False,  # the middleware above, configured, instead
     )
     app.req_options.strip_url_path_trailing_slash = True
     install_error_handlers(app)

@@ -55,7 +55,9 @@ class ApiKeyMiddleware:
 
     def process_request(self, req, resp) -> None:
         req.context.key_suffix = "-"
-        if not self.keys or req.path in PUBLIC_PATHS:
+        # OPTIONS: a browser's CORS preflight never carries the key, and the
+        # answer is only the route's methods (``frontend.cors``), as in llama.cpp.
+        if not self.keys or req.path in PUBLIC_PATHS or req.method == "OPTIONS":
             return
         candidate = presented_key(req.get_header)
         if candidate is None or not key_is_valid(candidate, self.keys):

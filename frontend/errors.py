@@ -32,6 +32,8 @@ log = logging.getLogger("llamapool.frontend")
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "unavailable_error"
+#: llama.cpp's type for a prompt that does not fit the context.
+EXCEED_CONTEXT_SIZE = "exceed_context_size_error"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +48,12 @@ class HttpForm:
 #: the request; 502/504 that a part of the pool failed it; 503 that the pool
 #: cannot serve now and a retry may succeed.
 HTTP_FORMS: dict[ErrorCode, HttpForm] = {
-    ErrorCode.CONTEXT_LENGTH_EXCEEDED: HttpForm(400, INVALID_REQUEST),
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: HttpForm(400, EXCEED_CONTEXT_SIZE),
     ErrorCode.INVALID_PROMPT_TOKENS: HttpForm(400, INVALID_REQUEST),
     ErrorCode.INVALID_MESSAGES: HttpForm(400, INVALID_REQUEST),
     ErrorCode.INVALID_GRAMMAR: HttpForm(400, INVALID_REQUEST),
     ErrorCode.UNSUPPORTED_FIELD: HttpForm(400, INVALID_REQUEST),
+    ErrorCode.TOOLS_UNSUPPORTED: HttpForm(400, INVALID_REQUEST),
     ErrorCode.DUPLICATE_JOB: HttpForm(400, INVALID_REQUEST),
     ErrorCode.CLIENT_STALLED: HttpForm(408, INVALID_REQUEST),
     ErrorCode.ENGINE_ERROR: HttpForm(500, SERVER_ERROR),
@@ -150,7 +153,31 @@ class UpstreamError(PoolError):
 
     @classmethod
     def from_frame(cls, msg: messages.Error) -> UpstreamError:
+        if msg.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED:
+            return ContextSizeExceeded(msg.message, msg.n_prompt_tokens,
+                                       msg.n_ctx)
         return cls(msg.code, msg.message)
+
+
+class ContextSizeExceeded(UpstreamError):
+    """A prompt longer than the context, refused by the frontend's gate or by
+    a worker: llama.cpp's body, ``type: exceed_context_size_error`` with
+    ``n_prompt_tokens`` and ``n_ctx`` (OpenAI's ``code`` is kept)."""
+
+    reject_reason = "bad_request"
+
+    def __init__(self, message: str, n_prompt_tokens: int, n_ctx: int,
+                 param: str | None = None) -> None:
+        super().__init__(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message)
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
+        self.param = param
+
+    def body(self) -> dict:
+        body = super().body()
+        body["error"]["n_prompt_tokens"] = self.n_prompt_tokens
+        body["error"]["n_ctx"] = self.n_ctx
+        return body
 
 
 class Unavailable(PoolError):

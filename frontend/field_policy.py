@@ -20,10 +20,11 @@ COMMON_FIELDS = frozenset({
     "n_predict", "temperature", "top_p", "top_k", "min_p", "repeat_penalty",
     "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "stop", "n",
     "logit_bias", "grammar", "json_schema", "response_format", "n_probs",
+    "timings_per_token",
 })
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "tools",
-                               "functions", "tool_choice"}
+                               "functions", "function_call", "tool_choice"}
 
 #: Accepted and ignored on purpose (README, "Request fields"): they ask the
 #: server to record or label a request, which it does not do, and change no
@@ -49,7 +50,6 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "t_max_predict_ms": (0,),
     "cache_prompt": (True,),
     "id_slot": (-1,),
-    "timings_per_token": (False,),
     "return_tokens": (False,),
     "post_sampling_probs": (False,),
     "best_of": (1,),

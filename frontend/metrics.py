@@ -7,7 +7,8 @@ Two sources, one exposition (``GET /metrics``):
   by ``llamapool frontend`` before Python starts, wiped in gunicorn's
   ``on_starting`` and cleaned per dead worker in ``child_exit``
   (``deploy/gunicorn.conf.py``);
-* the pool-wide ``llama_*`` series (named as llama.cpp's server names them)
+* the pool-wide ``llama_*`` series (named as llama.cpp's server names them),
+  llama.cpp's current ``llamacpp:*`` series (``workers.broker.llamacpp_metrics``)
   and slot gauges, rendered on each scrape from the broker's ledger, which
   sees every job of every frontend. Scrape them from one frontend, or
   aggregate with ``max``: every frontend reports the same pool totals.
@@ -29,6 +30,7 @@ from prometheus_client import (
 )
 
 from protocol.payloads import PoolStatus
+from workers.broker.llamacpp_metrics import render as render_llamacpp
 from workers.broker.metrics import PoolCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -92,4 +94,6 @@ def render(snapshot: PoolStatus | None) -> bytes:
         registry.register(_DefaultRegistryView())
     if snapshot is not None:
         registry.register(PoolCollector(snapshot))
+        # llama.cpp's own series too, under their exact names.
+        return generate_latest(registry) + render_llamacpp(snapshot)
     return generate_latest(registry)

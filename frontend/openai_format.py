@@ -2,16 +2,46 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
 import json
 import time
 
 from frontend.errors import http_form
 from frontend.logprob_format import CompletionLogprobs, chat_logprobs
+from frontend.tool_calls import split_calls
 from protocol.payloads import Timings, TokenLogprob, Usage
 
 
 def _dumps(obj: dict) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=64)
+def fingerprint(model: str) -> str:
+    """``system_fingerprint``: what produced the answer, stable while that
+    does not change. llama.cpp sends its build (``b<number>-<commit>``); a
+    pool's build is llamapool's version and llama-cpp-python's (which pins
+    llama.cpp), and the model served is part of what decides the output, so
+    a short hash of its name ends it:
+    ``llamapool-0.1.0-llama-cpp-python-0.3.36-<8 hex>``."""
+    digest = hashlib.sha256(model.encode()).hexdigest()[:8]
+    return (f"llamapool-{_version('llamapool')}-llama-cpp-python-"
+            f"{_version('llama_cpp_python')}-{digest}")
+
+
+def _tool_finish(finish_reason: str) -> str:
+    """An answer that ends in calls finishes with ``tool_calls``, as OpenAI
+    and llama.cpp say it (unless it was cut short)."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class ResponseShaper:
@@ -26,7 +56,9 @@ class ResponseShaper:
     """
 
     def __init__(self, kind: str, request_id: str, model: str,
-                 include_usage: bool = False, logprobs: bool = False) -> None:
+                 include_usage: bool = False, logprobs: bool = False,
+                 system_fingerprint: str | None = None,
+                 tools: bool = False) -> None:
         self.kind = kind
         self.chat = kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
@@ -34,8 +66,15 @@ class ResponseShaper:
         self.created = int(time.time())
         self.include_usage = include_usage
         self.logprobs = logprobs
+        self.system_fingerprint = (system_fingerprint if system_fingerprint
+                                   is not None else fingerprint(model))
         self._completion_logprobs = CompletionLogprobs()
         self._sent_role = False
+        #: Tools offered: the text is held until the end, where its calls are
+        #: found (``frontend.tool_calls``); then it goes out at once.
+        self.tools = tools and self.chat
+        self._held_text: list[str] = []
+        self._held_entries: list[TokenLogprob] = []
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if not self.logprobs:
@@ -50,6 +89,7 @@ class ResponseShaper:
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
             "choices": choices,
             **extra,
         }
@@ -64,25 +104,72 @@ class ResponseShaper:
             return {"index": 0, "text": text, "logprobs": logprobs,
                     "finish_reason": finish_reason}
         delta: dict = {}
-        if not self._sent_role:
-            delta["role"] = "assistant"
-            self._sent_role = True
         if text or finish_reason is None:
             delta["content"] = text
         return {"index": 0, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
+    def _role_chunk(self) -> bytes:
+        """A chat stream's first chunk names the role and nothing else, as
+        OpenAI and llama.cpp send it (``{"role": "assistant", "content":
+        null}``); clients that build the message from deltas expect it."""
+        if not self.chat or self._sent_role:
+            return b""
+        self._sent_role = True
+        return self._chunk([{"index": 0,
+                             "delta": {"role": "assistant", "content": None},
+                             "logprobs": None, "finish_reason": None}])
+
     # --- streaming ---------------------------------------------------------------
 
-    def text_event(self, text: str, entries: list[TokenLogprob] = ()) -> bytes:
-        return self._chunk([self._choice(text, None, list(entries))])
+    def text_event(self, text: str, entries: list[TokenLogprob] = (),
+                   timings: Timings | None = None) -> bytes:
+        """One chunk of output; ``timings`` so far when the request asked for
+        them on every token (llama.cpp's ``timings_per_token``)."""
+        extra = {} if timings is None else {"timings": timings.public()}
+        if self.tools:
+            self._held_text.append(text)
+            self._held_entries += entries
+            return self._role_chunk()
+        return self._role_chunk() + self._chunk(
+            [self._choice(text, None, list(entries))], **extra)
+
+    def _released_calls(self, text: str, entries: list[TokenLogprob],
+                        finish_reason: str) -> tuple[bytes, str, str]:
+        """With tools: the held answer as one content or tool-calls chunk;
+        returns it, the finishing chunk's text and finish reason."""
+        whole = "".join(self._held_text) + text
+        content, calls = split_calls(whole)
+        if not calls:
+            return b"", whole, finish_reason
+        delta: dict = {"tool_calls": [{"index": i, **call}
+                                      for i, call in enumerate(calls)]}
+        if content:
+            delta = {"content": content, **delta}
+        chunk = self._chunk([{"index": 0, "delta": delta,
+                              "logprobs": self._logprobs(entries),
+                              "finish_reason": None}])
+        return chunk, "", _tool_finish(finish_reason)
 
     def final_events(self, text: str, finish_reason: str, usage: Usage,
                      timings: Timings, entries: list[TokenLogprob] = ()) -> bytes:
-        out = self._chunk([self._choice(text, finish_reason, list(entries))],
-                          timings=timings.public())
+        """The finishing chunk, the usage chunk (if asked) and ``[DONE]``.
+
+        Both carry ``timings``: the finishing chunk as before, and the usage
+        chunk because llama.cpp puts them on the stream's last chunk."""
+        public = timings.public()
+        entries = list(entries)
+        out = self._role_chunk()
+        if self.tools:
+            entries = self._held_entries + entries
+            calls, text, finish_reason = self._released_calls(
+                text, entries, finish_reason)
+            if calls:
+                out, entries = out + calls, []
+        out += self._chunk([self._choice(text, finish_reason, entries)],
+                           timings=public)
         if self.include_usage:
-            out += self._chunk([], usage=usage.public())
+            out += self._chunk([], usage=usage.public(), timings=public)
         return out + b"data: [DONE]\n\n"
 
     @staticmethod
@@ -104,7 +191,14 @@ class ResponseShaper:
               timings: Timings, entries: list[TokenLogprob] = ()) -> dict:
         logprobs = self._logprobs(list(entries))
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            message: dict = {"role": "assistant", "content": text}
+            if self.tools:
+                content, calls = split_calls(text)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": calls}
+                    finish_reason = _tool_finish(finish_reason)
+            choice = {"index": 0, "message": message,
                       "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs,
@@ -114,6 +208,7 @@ class ResponseShaper:
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
             "choices": [choice],
             "usage": usage.public(),
             "timings": timings.public(),

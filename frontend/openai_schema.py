@@ -13,12 +13,14 @@ declared there: the one place the pool's sampling defaults are written.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
 from frontend.errors import BadRequest
 from frontend.field_policy import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from frontend.output_constraints import grammar_of
+from frontend.tool_calls import calls_as_text, tool_request
 from protocol.limits import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS_WITH_LOGPROBS
 from protocol.payloads import (
     CHAT,
@@ -46,6 +48,9 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     model: str | None
+    #: Tools were offered: the answer is searched for calls
+    #: (``frontend.tool_calls``).
+    tools: bool = False
 
     @property
     def logprobs(self) -> bool:
@@ -228,15 +233,6 @@ def _check_stops_with_logprobs(generation: GenerationRequest) -> None:
                          param="stop")
 
 
-def _tools(body: dict) -> None:
-    if body.get("tools") or body.get("functions"):
-        raise BadRequest("tool calling is not supported", param="tools")
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise BadRequest("'tool_choice' needs tools, which are not supported",
-                         param="tool_choice")
-
-
 def _stream_options(body: dict) -> tuple[bool, bool]:
     stream = bool(_bool(body, "stream"))
     options = body.get("stream_options")
@@ -285,6 +281,8 @@ def parse_completion(body: Any) -> ParsedRequest:
         stop=_stop(body),
         grammar=grammar_of(body),
         logprobs=_completion_logprobs(body),
+        # Per-token timings go on streamed chunks; a whole answer has its own.
+        timings_per_token=bool(_bool(body, "timings_per_token")) and stream,
     )
     _check_stops_with_logprobs(generation)
     return ParsedRequest(generation, stream, include_usage, _model(body))
@@ -328,8 +326,26 @@ def parse_chat(body: Any) -> ParsedRequest:
             raise BadRequest(f"{where}.role must be one of {sorted(CHAT_ROLES)}",
                              param=f"{where}.role")
         content = _content_text(message.get("content"), where)
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise BadRequest(f"{where}.tool_calls: only an assistant "
+                                 "message makes tool calls",
+                                 param=f"{where}.tool_calls")
+            content += calls_as_text(message["tool_calls"], f"{where}.tool_calls")
         chat.append(ChatMessage(role, content))
-    _tools(body)
+    if len(chat) >= 2 and chat[-1].role == chat[-2].role == "assistant":
+        # llama.cpp's refusal, word for word (there, a final assistant
+        # message is continued, and two of them leave no one to continue).
+        raise BadRequest("Cannot have 2 or more assistant messages at the end "
+                         "of the list.", param="messages")
+    tools = tool_request(body)
+    grammar = grammar_of(body)
+    if tools.grammar:
+        if grammar:
+            raise BadRequest("a forced tool call ('tool_choice') cannot be "
+                             "combined with a grammar or JSON schema",
+                             param="tool_choice")
+        grammar = tools.grammar
     stream, include_usage = _stream_options(body)
     generation = GenerationRequest(
         kind=CHAT,
@@ -337,8 +353,12 @@ def parse_chat(body: Any) -> ParsedRequest:
         max_tokens=_max_tokens(body),
         sampling=_sampling(body),
         stop=_stop(body),
-        grammar=grammar_of(body),
+        grammar=grammar,
         logprobs=_chat_logprobs(body),
+        # Per-token timings go on streamed chunks; a whole answer has its own.
+        timings_per_token=bool(_bool(body, "timings_per_token")) and stream,
+        tools=json.dumps(tools.tools) if tools.active else "",
     )
     _check_stops_with_logprobs(generation)
-    return ParsedRequest(generation, stream, include_usage, _model(body))
+    return ParsedRequest(generation, stream, include_usage, _model(body),
+                         tools=tools.active)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from frontend.errors import BadRequest
+from frontend.errors import BadRequest, ContextSizeExceeded
+from protocol.errors import ErrorCode, context_exceeded_message
 from protocol.payloads import CHAT, GenerationRequest
 
 
@@ -43,18 +44,26 @@ class PromptGate:
     def check(self, generation: GenerationRequest) -> GenerationRequest:
         """The request with ``prompt_tokens`` (and the chat format's stop
         strings) attached; raise 400 if the prompt cannot fit."""
-        from workers.model.prompting import PromptError, PromptTooLong
+        from workers.model.prompting import (
+            PromptError,
+            PromptTooLong,
+            ToolsUnsupported,
+        )
 
         try:
             # Refused by its size before tokenising, or as soon as the
             # tokens so far fill the context (``workers.model.tokenizing``).
             tokens, stops = self._prompts().tokens(generation, limit=self.n_ctx)
+        except ToolsUnsupported as exc:
+            raise BadRequest(str(exc), param="tools",
+                             code=str(ErrorCode.TOOLS_UNSUPPORTED)) from None
         except PromptError as exc:
             raise BadRequest(f"cannot render messages: {exc}",
                              param="messages") from None
         except PromptTooLong as exc:
             param = "messages" if generation.kind == CHAT else "prompt"
-            raise BadRequest(str(exc), param=param,
-                             code="context_length_exceeded") from None
+            raise ContextSizeExceeded(
+                context_exceeded_message(exc.at_least, exc.n_ctx, exc.exact),
+                exc.at_least, exc.n_ctx, param=param) from None
         return dataclasses.replace(generation, prompt_tokens=tokens,
                                    extra_stops=stops)

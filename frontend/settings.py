@@ -28,6 +28,7 @@ Every default is documented in this one place.
 | LLAMAPOOL_MAX_PENDING_CONNS    | 1000           | arriving requests per process |
 | LLAMAPOOL_CURVE_SERVER_KEY     | (none)         | broker's public .key (CURVE)  |
 | LLAMAPOOL_CURVE_SECRET_KEY     | (none)         | own .key_secret (CURVE)       |
+| LLAMAPOOL_CORS_ORIGINS         | *              | web origins allowed (CORS)    |
 """
 
 from __future__ import annotations
@@ -111,9 +112,20 @@ class FrontendSettings:
         "", "LLAMAPOOL_CURVE_SERVER_KEY", "broker's public .key (CURVE)")
     curve_secret_key: str = setting(
         "", "LLAMAPOOL_CURVE_SECRET_KEY", "own .key_secret (CURVE)")
+    #: Web pages on these origins may call the API (comma-separated, e.g.
+    #: ``https://app.example.com``); ``*``, llama.cpp's default, allows any.
+    #: A browser still needs a key where keys are set: CORS decides only
+    #: which pages may read the answers (``frontend.cors``).
+    cors_origins: tuple[str, ...] = setting(
+        ("*",), "LLAMAPOOL_CORS_ORIGINS", "web origins allowed (CORS)",
+        shown="*")
 
     def __post_init__(self) -> None:
         split_endpoints(self.broker_endpoint)  # ConfigError if empty or repeated
+        if not self.cors_origins or ("*" in self.cors_origins
+                                     and self.cors_origins != ("*",)):
+            raise ConfigError("LLAMAPOOL_CORS_ORIGINS is '*' or a list of "
+                              f"origins, not {','.join(self.cors_origins)!r}")
         # Zero would make sockets non-blocking or close every connection.
         for name in ("header_timeout_s", "body_timeout_s", "send_timeout_s",
                      "max_pending_connections"):

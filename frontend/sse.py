@@ -39,7 +39,8 @@ class EventStreamBody:
         try:
             msg = self._job.next_frame()
             if isinstance(msg, messages.Token):
-                return self._shaper.text_event(msg.text, msg.logprobs)
+                return self._shaper.text_event(msg.text, msg.logprobs,
+                                               msg.timings)
             self._done = True
             if isinstance(msg, messages.Final):
                 return self._shaper.final_events(

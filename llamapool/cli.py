@@ -113,6 +113,10 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 def _add_liveness_flags(p: argparse.ArgumentParser, cls: type) -> None:
     setting_flag(p, "--heartbeat-interval-s", cls, "heartbeat_interval_s",
                  type=_positive_float)
@@ -259,9 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_liveness_flags(frontend, F)
     setting_flag(frontend, "--curve-server-key", F, "curve_server_key")
     setting_flag(frontend, "--curve-secret-key", F, "curve_secret_key")
+    setting_flag(frontend, "--cors-origins", F, "cors_origins", type=_origins,
+                 help="comma-separated web origins allowed to call the API "
+                      "from a browser, or '*' (llama.cpp's --cors-origins)")
 
     model = sub.add_parser("make-test-model", help="write the tiny test GGUF")
     model.add_argument("path")
+    model.add_argument("--tools-template", action="store_true",
+                       help="a chat template that renders tools")
     _add_bench_parser(sub)
     curve_cli.add_keygen_parser(sub)
     return parser
@@ -389,7 +398,12 @@ def run_make_test_model(args: argparse.Namespace) -> int:
     from llamapool.test_model import write_test_model
 
     try:
-        write_test_model(args.path)
+        if args.tools_template:
+            from llamapool.test_model import TOOLS_CHAT_TEMPLATE
+
+            write_test_model(args.path, chat_template=TOOLS_CHAT_TEMPLATE)
+        else:
+            write_test_model(args.path)
     except ModuleNotFoundError as exc:
         print(f"llamapool make-test-model needs {exc.name}: "
               "pip install 'llamapool[test]'", file=sys.stderr)

@@ -33,6 +33,22 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+#: The same, plus the tool list in a system turn, as Hermes- and Qwen-style
+#: templates render it, and the call format they teach (``<tool_call>``):
+#: a template that supports tools (``frontend.tool_calls``).
+TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|im_start|>system\nYou may call these functions. To call "
+    "one, answer <tool_call>{\"name\": <name>, \"arguments\": <object>}"
+    "</tool_call>.\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 _WORDS = (
     "the a an and of to in is it you I am are how hi Hello hello world test "
     "model this that with for on at be we they he she not yes no what why "
@@ -83,7 +99,8 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     return pieces, scores, [int(t) for t in types]
 
 
-def write_test_model(path: str | os.PathLike[str], *, seed: int = 0) -> None:
+def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
+                     chat_template: str = CHAT_TEMPLATE) -> None:
     """Write a tiny random-weight llama GGUF (F32, ~0.5 MB).
 
     2 layers, 64 dims, 4 heads (2 KV heads), FFN 128, context length 2048,
@@ -93,6 +110,8 @@ def write_test_model(path: str | os.PathLike[str], *, seed: int = 0) -> None:
     Args:
         path: Destination file; overwritten if it exists.
         seed: Seed for the weights; same seed gives a byte-identical file.
+        chat_template: ``tokenizer.chat_template`` (``TOOLS_CHAT_TEMPLATE``:
+            one that renders tools).
     """
     # Imported here: gguf and numpy are test dependencies, not the server's.
     import numpy as np
@@ -174,7 +193,7 @@ def write_test_model(path: str | os.PathLike[str], *, seed: int = 0) -> None:
     writer.add_eot_token_id(im_end_id)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    writer.add_chat_template(chat_template)
 
     for name, data in tensors.items():
         writer.add_tensor(name, data)

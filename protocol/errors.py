@@ -27,6 +27,8 @@ class ErrorCode(str, enum.Enum):
     INVALID_MESSAGES = "invalid_messages"
     INVALID_GRAMMAR = "invalid_grammar"  # the GBNF does not compile
     UNSUPPORTED_FIELD = "unsupported_field"  # this engine cannot do it
+    #: ``tools`` given, but the chat template does not render them.
+    TOOLS_UNSUPPORTED = "tools_unsupported"
     # The worker ended the job.
     CLIENT_STALLED = "client_stalled"  # no credit for the stall timeout
     ENGINE_ERROR = "engine_error"  # the engine raised
@@ -56,3 +58,16 @@ class ErrorCode(str, enum.Enum):
 
     def __format__(self, spec: str) -> str:
         return self.value.__format__(spec)
+
+
+def context_exceeded_message(n_prompt_tokens: int, n_ctx: int,
+                             exact: bool = True) -> str:
+    """The message of ``CONTEXT_LENGTH_EXCEEDED``, worded as llama.cpp's
+    server words it, so clients that match its text keep working.
+
+    Not ``exact``: tokenising stopped once the context was full (bounded work,
+    ``workers.model.tokenizing``), so the count is a lower bound and says so.
+    """
+    count = f"{n_prompt_tokens}" if exact else f"at least {n_prompt_tokens}"
+    return (f"request ({count} tokens) exceeds the available context size "
+            f"({n_ctx} tokens), try increasing it")

@@ -59,8 +59,9 @@ from protocol.records import (
 #: Protocol name and version. Bump the digits on any breaking change
 #: (03: FINAL's usage and timings are typed arrays, no longer maps; 04: a
 #: request's grammar, logit_bias and logprobs, which a worker of 03 would
-#: drop as unknown trailing fields and so silently ignore).
-PROTOCOL_HEADER = b"LLAMAPOOL04"
+#: drop as unknown trailing fields and so silently ignore; 05: a request's
+#: timings_per_token, and ERROR's prompt and context sizes).
+PROTOCOL_HEADER = b"LLAMAPOOL05"
 
 #: Largest body any command accepts (a STATUS reply); each command has its
 #: own, smaller or equal, ceiling (``Message.LIMITS``).
@@ -72,6 +73,7 @@ _STR = (str,)
 _INT = (int,)
 _NUM = (int, float)
 _MAP = (dict,)
+_COUNT = Count()
 # Strings the broker keeps (``protocol.limits``).
 _HOST = Text(limits.MAX_HOST_CHARS)
 _NAME = Text(limits.MAX_NAME_CHARS)
@@ -243,17 +245,20 @@ class Credit(Message):
 
 
 @_register(0x15, limits.JOB_FRAME, job_id=_STR, text=_STR, n_tokens=_INT,
-           logprobs=ListOf(TokenLogprob))
+           logprobs=ListOf(TokenLogprob), timings=Optional(Timings))
 class Token(Message):
     """Worker -> broker -> frontend: new output text covering ``n_tokens``.
 
     ``logprobs``: one entry per token this frame covers, when the request
-    asked for them (``GenerationRequest.logprobs``)."""
+    asked for them (``GenerationRequest.logprobs``). ``timings``: the job's
+    timings so far, when it asked for them on every token
+    (``GenerationRequest.timings_per_token``)."""
 
     job_id: str
     text: str
     n_tokens: int = 1
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    timings: Timings | None = None
 
 
 #: How a job can end well; anything else in a FINAL is malformed.
@@ -281,18 +286,23 @@ class Final(Message):
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
-@_register(0x17, limits.JOB_FRAME, job_id=_STR, code=_STR, message=_REASON)
+@_register(0x17, limits.JOB_FRAME, job_id=_STR, code=_STR, message=_REASON,
+           n_prompt_tokens=_COUNT, n_ctx=_COUNT)
 class Error(Message):
     """Terminal frame: the job failed.
 
     ``code`` is a ``protocol.errors.ErrorCode``: what went wrong, never how to
     show it. The frontend alone maps it to HTTP (``frontend.errors``), so the
     wire carries no status (version 02 dropped it).
+    ``n_prompt_tokens`` and ``n_ctx`` are set with ``context_length_exceeded``
+    (0 otherwise): llama.cpp's error body names both.
     """
 
     job_id: str
     code: str
     message: str
+    n_prompt_tokens: int = 0
+    n_ctx: int = 0
 
 
 # --- introspection -------------------------------------------------------------

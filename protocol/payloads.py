@@ -112,7 +112,8 @@ class Sampling(WireRecord):
              messages=ListOf(ChatMessage), max_tokens=Optional(_INT),
              sampling=Sampling, stop=ListOf(_STR),
              prompt_tokens=Optional(ListOf(_INT)), extra_stops=ListOf(_STR),
-             grammar=_STR, logprobs=Optional(_INT))
+             grammar=_STR, logprobs=Optional(_INT), timings_per_token=_BOOL,
+             tools=_STR)
 class GenerationRequest(WireRecord):
     """One generation, as validated at the HTTP door (``frontend.openai_schema``).
 
@@ -138,6 +139,12 @@ class GenerationRequest(WireRecord):
     #: None: no log-probabilities. N: each generated token's log-probability
     #: and its N most likely alternatives (0 to ``MAX_TOP_LOGPROBS``).
     logprobs: int | None = None
+    #: llama.cpp's ``timings_per_token``: every TOKEN frame carries the
+    #: timings so far, which the frontend puts on every streamed chunk.
+    timings_per_token: bool = False
+    #: Chat only: the ``tools`` list (OpenAI's shape, as JSON text) for the
+    #: chat template to render; "" offers none (``frontend.tool_calls``).
+    tools: str = ""
 
 
 # --- log-probabilities of generated tokens (TOKEN, FINAL) -------------------------
@@ -219,23 +226,55 @@ class Usage(WireRecord):
 
 
 @wire_record(prompt_n=_COUNT, prompt_ms=_NON_NEGATIVE, predicted_n=_COUNT,
-             predicted_ms=_NON_NEGATIVE, predicted_per_second=_NON_NEGATIVE)
+             predicted_ms=_NON_NEGATIVE, predicted_per_second=_NON_NEGATIVE,
+             cache_n=_COUNT)
 class Timings(WireRecord):
     """llama.cpp's server's ``timings``: prompt evaluation and generation.
 
     ``prompt_n`` counts only the prompt tokens computed (not those reused
-    from the cache); times are milliseconds.
+    from the cache, which are ``cache_n``); times are milliseconds, measured
+    by the worker. A FINAL frame carries the job's; a TOKEN frame carries
+    them so far when the request asked (``timings_per_token``).
     """
 
     prompt_n: int
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
+    #: Kept on the wire for older peers; ``public`` derives it from n and ms.
     predicted_per_second: float = 0.0
+    #: Prompt tokens the KV cache already held (llama.cpp's ``cache_n``).
+    cache_n: int = 0
 
     def public(self) -> dict:
-        """The ``timings`` object of a response, as llama.cpp's server names it."""
-        return dataclasses.asdict(self)
+        """The ``timings`` object of a response: llama.cpp's nine fields.
+
+        The rates are derived here from the counts and times, as llama.cpp's
+        ``server_slot_stats`` derives them, so they are always consistent
+        (``per_second = n / ms * 1000``, ``per_token_ms = ms / n``; 0 when
+        the divisor is 0).
+        """
+        return {
+            "cache_n": self.cache_n,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": _per_token_ms(self.prompt_ms, self.prompt_n),
+            "prompt_per_second": _per_second(self.prompt_n, self.prompt_ms),
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": _per_token_ms(self.predicted_ms,
+                                                    self.predicted_n),
+            "predicted_per_second": _per_second(self.predicted_n,
+                                                self.predicted_ms),
+        }
+
+
+def _per_token_ms(ms: float, n: int) -> float:
+    return ms / n if n > 0 else 0.0
+
+
+def _per_second(n: int, ms: float) -> float:
+    return 1e3 / ms * n if ms > 0 else 0.0
 
 
 # --- pool status (the STATUS reply) -------------------------------------------------
@@ -286,7 +325,9 @@ class HistogramSnapshot(WireRecord):
 @wire_record(prompt_tokens_total=_INT, tokens_generated_total=_INT,
              request_success_total=_INT, request_fail_total=_INT,
              request_cancelled_total=_INT, prompt_seconds_total=_NUM,
-             tokens_seconds_total=_NUM, cancel_release_s=HistogramSnapshot)
+             tokens_seconds_total=_NUM, cancel_release_s=HistogramSnapshot,
+             prompt_tokens_cached_total=_INT, n_tokens_max=_INT,
+             n_decode_total=_INT, started_at_unix=_NUM)
 class PoolTotals(WireRecord):
     """Totals over every job the broker saw end (``workers.broker.pool_stats``)."""
 
@@ -299,6 +340,16 @@ class PoolTotals(WireRecord):
     tokens_seconds_total: float
     #: From cancel (client gone) to the slot being free in the ledger.
     cancel_release_s: HistogramSnapshot
+    #: Prompt tokens reused from a KV cache instead of computed.
+    prompt_tokens_cached_total: int = 0
+    #: The longest sequence (prompt + generation) any job reached.
+    n_tokens_max: int = 0
+    #: Model evaluations: one per job whose prompt was computed, plus one
+    #: per generated token (``workers.broker.pool_stats``).
+    n_decode_total: int = 0
+    #: When these totals began (the broker's start, epoch seconds): what
+    #: llama.cpp's ``Process-Start-Time-Unix`` header tells a scraper.
+    started_at_unix: float = 0.0
 
 
 @wire_record(slots=ListOf(SlotStatus), slots_total=_INT, slots_loading=_INT,

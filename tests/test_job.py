@@ -125,7 +125,7 @@ def test_frame_timeout_without_a_stream_is_a_504_and_cancels():
 
 def test_exception_while_streaming_is_a_local_error_and_cancels():
     class BrokenShaper(ResponseShaper):
-        def text_event(self, text: str, entries=()) -> bytes:
+        def text_event(self, text: str, entries=(), timings=None) -> bytes:
             raise UnicodeEncodeError("utf-8", text, 0, 1, "test")
 
     link = Link()
@@ -180,7 +180,7 @@ def test_every_domain_code_has_an_http_form():
 
 
 @pytest.mark.parametrize("code,status,kind", [
-    (ErrorCode.CONTEXT_LENGTH_EXCEEDED, 400, "invalid_request_error"),
+    (ErrorCode.CONTEXT_LENGTH_EXCEEDED, 400, "exceed_context_size_error"),
     (ErrorCode.CLIENT_STALLED, 408, "invalid_request_error"),
     (ErrorCode.WORKER_DIED, 502, "server_error"),
     (ErrorCode.WORKER_SHUTDOWN, 503, "unavailable_error"),
@@ -211,5 +211,6 @@ def test_llama_cpp_shaped_503_bodies():
 def test_error_frames_carry_no_status_on_the_wire():
     msg = messages.Error("j", ErrorCode.CLIENT_STALLED, "m")
     assert messages.decode(msg.to_wire()) == msg
-    assert list(messages.Error.FIELD_TYPES) == ["job_id", "code", "message"]
-    assert messages.PROTOCOL_HEADER == b"LLAMAPOOL04"
+    assert list(messages.Error.FIELD_TYPES) == ["job_id", "code", "message",
+                                                "n_prompt_tokens", "n_ctx"]
+    assert messages.PROTOCOL_HEADER == b"LLAMAPOOL05"

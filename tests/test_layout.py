@@ -25,12 +25,14 @@ ALLOWED = {
 
 #: The frontend's imports from ``workers``, each needed on purpose:
 #: the pool's ``llama_*`` series are rendered from the broker's snapshot by
-#: the same collector the broker's own /metrics uses, the prompt gate
+#: the same collector the broker's own /metrics uses (and llama.cpp's
+#: ``llamacpp:*`` series by the broker's renderer), the prompt gate
 #: counts tokens with the workers' own prompt builder, and a JSON schema or
 #: grammar is converted and checked with the workers' own grammar code, so
 #: the two never differ.
 FRONTEND_USES_WORKERS = {"workers.broker.metrics", "workers.model.prompting",
-                         "workers.model.grammar"}
+                         "workers.model.grammar",
+                         "workers.broker.llamacpp_metrics"}
 
 
 def package_of(path: Path) -> str:

@@ -175,7 +175,17 @@ def test_promtool_accepts_real_output(opool):
     text = httpx.get(opool.url + "/metrics", headers=AUTH).text
     result = subprocess.run([promtool, "check", "metrics"], input=text.encode(),
                             capture_output=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    # llama.cpp's own series keep its names, colon and all (a dashboard made
+    # for llama-server reads them); promtool's linter reserves colons for
+    # recording rules and wants "_total" on every counter, which llama.cpp's
+    # n_tokens_max lacks. That is all it may say.
+    problems = [line for line in (result.stdout + result.stderr).decode()
+                .splitlines() if line.strip()]
+    llamacpp = [p for p in problems if p.startswith("llamacpp:") and (
+        p.endswith("metric names should not contain ':'")
+        or p == 'llamacpp:n_tokens_max counter metrics should have "_total" suffix')]
+    assert problems == llamacpp, problems
+    assert llamacpp  # they are there
 
 
 def test_slots_show_busy_while_a_stream_is_held(opool):

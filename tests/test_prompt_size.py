@@ -67,7 +67,7 @@ def assert_context_exceeded(r: httpx.Response) -> None:
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["code"] == "context_length_exceeded"
-    assert "the context holds" in error["message"]
+    assert "exceeds the available context size" in error["message"]
 
 
 @pytest.mark.parametrize("where", ["frontend", "worker"])

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.stack
 
 H = messages.PROTOCOL_HEADER
 USAGE = [3, 2, 5, 1]
-TIMINGS = [2, 1.5, 2, 3.0, 666.7]
+TIMINGS = [2, 1.5, 2, 3.0, 666.7, 1]  # the last: cache_n
 
 
 def final_body(job_id: str, *, reason="stop", usage=USAGE, timings=TIMINGS,

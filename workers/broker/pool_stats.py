@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import time
 
 from protocol import messages
 from protocol.payloads import HistogramSnapshot, PoolTotals
@@ -71,6 +72,10 @@ class PoolStats:
         self.tokens_seconds = 0.0
         self.cancelled = 0
         self.release_after_cancel = FixedHistogram(RELEASE_BUCKETS_S)
+        self.prompt_tokens_cached = 0
+        self.n_tokens_max = 0
+        self.n_decode = 0
+        self.started_at_unix = time.time()
 
     def job_ended(self, msg: messages.Message, cancel_requested_at: float | None,
                   now: float) -> None:
@@ -80,6 +85,13 @@ class PoolStats:
             self.tokens_generated += msg.usage.completion_tokens
             self.prompt_seconds += msg.timings.prompt_ms / 1000
             self.tokens_seconds += msg.timings.predicted_ms / 1000
+            self.prompt_tokens_cached += msg.usage.cached_tokens
+            self.n_tokens_max = max(self.n_tokens_max, msg.usage.total_tokens)
+            # Each worker decodes one sequence at a time: the prompt's
+            # computed part in one evaluation (llama.cpp splits it into
+            # n_batch batches inside, which the FINAL does not report), then
+            # one per generated token.
+            self.n_decode += (msg.timings.prompt_n > 0) + msg.usage.completion_tokens
             if msg.finish_reason == "cancelled":
                 self.cancelled += 1
             else:
@@ -103,4 +115,8 @@ class PoolStats:
             prompt_seconds_total=self.prompt_seconds,
             tokens_seconds_total=self.tokens_seconds,
             cancel_release_s=self.release_after_cancel.snapshot(),
+            prompt_tokens_cached_total=self.prompt_tokens_cached,
+            n_tokens_max=self.n_tokens_max,
+            n_decode_total=self.n_decode,
+            started_at_unix=self.started_at_unix,
         )

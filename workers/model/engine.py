@@ -8,9 +8,10 @@ loop itself lives in the engine.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Protocol
 
-from protocol.errors import ErrorCode
+from protocol.errors import ErrorCode, context_exceeded_message
 from protocol.payloads import GenerationRequest, Timings, TokenLogprob, Usage
 from workers.model.stop_strings import StopStringFilter
 
@@ -22,10 +23,21 @@ class RequestRejected(Exception):
     ``code``. The frontend decides the HTTP status from the code.
     """
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, *,
+                 n_prompt_tokens: int = 0, n_ctx: int = 0) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        #: With ``CONTEXT_LENGTH_EXCEEDED``: the sizes llama.cpp's error names.
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
+
+    @classmethod
+    def context_exceeded(cls, n_prompt_tokens: int, n_ctx: int,
+                         exact: bool = True) -> RequestRejected:
+        return cls(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                   context_exceeded_message(n_prompt_tokens, n_ctx, exact),
+                   n_prompt_tokens=n_prompt_tokens, n_ctx=n_ctx)
 
 
 def token_budget(n_prompt: int, n_ctx: int, asked: int | None) -> int:
@@ -35,12 +47,40 @@ def token_budget(n_prompt: int, n_ctx: int, asked: int | None) -> int:
     as llama-cpp-python does; ``None`` means "until the context is full".
     """
     if n_prompt >= n_ctx:
-        raise RequestRejected(
-            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            f"the prompt is {n_prompt} tokens; the context holds {n_ctx}",
-        )
+        raise RequestRejected.context_exceeded(n_prompt, n_ctx)
     room = n_ctx - n_prompt
     return room if asked is None else min(asked, room)
+
+
+class LiveTimings:
+    """A job's timings so far, for the TOKEN frames of a request that asked
+    for them on every token (llama.cpp's ``timings_per_token``).
+
+    Measured as ``GenerationResult.timings`` measures the whole job: prompt
+    time from the start to the first sampled token, generation time from
+    there to now.
+    """
+
+    def __init__(self, started: float, n_prompt: int, n_cached: int) -> None:
+        self._started = started
+        self._prompt_n = max(0, n_prompt - n_cached)
+        self._cache_n = n_cached
+        self._first_token_at: float | None = None
+
+    def now(self, n_generated: int) -> Timings:
+        at = time.perf_counter()
+        if self._first_token_at is None:
+            self._first_token_at = at
+        predicted_ms = max(0.0, (at - self._first_token_at) * 1000)
+        return Timings(
+            prompt_n=self._prompt_n,
+            prompt_ms=max(0.0, (self._first_token_at - self._started) * 1000),
+            predicted_n=n_generated,
+            predicted_ms=predicted_ms,
+            predicted_per_second=(n_generated / predicted_ms * 1000
+                                  if predicted_ms > 0 else 0.0),
+            cache_n=self._cache_n,
+        )
 
 
 class TokenOutput:
@@ -48,12 +88,16 @@ class TokenOutput:
 
     Each new token's text goes through the stop-string filter; what is safe to
     show waits for credit and goes out as one frame covering every token since
-    the last frame sent.
+    the last frame sent. With ``timings``, each frame also carries the job's
+    timings so far.
     """
 
-    def __init__(self, sink: JobSink, stops: list[str]) -> None:
+    def __init__(self, sink: JobSink, stops: list[str],
+                 timings: LiveTimings | None = None) -> None:
         self.sink = sink
         self.stopper = StopStringFilter(stops)
+        self._timings = timings
+        self._pushed = 0
         self._unsent_tokens = 0
         #: Log-probability entries of the tokens not sent yet.
         self._unsent_logprobs: list[TokenLogprob] = []
@@ -66,19 +110,23 @@ class TokenOutput:
         carries the entries of every token up to it; tokens held back and
         then dropped by a stop string have none.
         """
+        self._pushed += 1
         self._unsent_tokens += 1
         if logprob is not None:
             self._unsent_logprobs.append(logprob)
+        if self._timings is not None and self._pushed == 1:
+            self._timings.now(0)  # the first token ends the prompt's time
         text = self.stopper.push(text)
         if text:
             if not self.sink.wait_for_credit():
                 return "cancelled"
+            extra = {}
+            if self._timings is not None:
+                extra["timings"] = self._timings.now(self._pushed)
             if self._unsent_logprobs:
-                self.sink.emit(text, self._unsent_tokens,
-                               logprobs=self._unsent_logprobs)
+                extra["logprobs"] = self._unsent_logprobs
                 self._unsent_logprobs = []
-            else:
-                self.sink.emit(text, self._unsent_tokens)
+            self.sink.emit(text, self._unsent_tokens, **extra)
             self._unsent_tokens = 0
         return "stop" if self.stopper.stopped else None
 
@@ -97,9 +145,11 @@ class JobSink(Protocol):
     """The generation loop's view of the outside world."""
 
     def emit(self, text: str, n_tokens: int,
-             logprobs: list[TokenLogprob] = ()) -> None:
+             logprobs: list[TokenLogprob] = (),
+             timings: Timings | None = None) -> None:
         """Send output text covering ``n_tokens`` new tokens (and their
-        log-probability entries, if the request asked for them)."""
+        log-probability entries, and the timings so far, if the request
+        asked for them)."""
 
     def should_stop(self) -> bool:
         """True once the job was cancelled; checked between tokens."""
@@ -152,6 +202,7 @@ class GenerationResult:
             predicted_n=self.completion_tokens,
             predicted_ms=max(0.0, self.predicted_ms),
             predicted_per_second=per_s,
+            cache_n=self.cached_tokens,
         )
 
 

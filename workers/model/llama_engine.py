@@ -23,13 +23,14 @@ from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.engine import (
     GenerationResult,
     JobSink,
+    LiveTimings,
     RequestRejected,
     TokenOutput,
     token_budget,
 )
 from workers.model.grammar import GrammarError
 from workers.model.logits import MAX_BIASED_TOKENS, BiasError, RequestLogits
-from workers.model.prompting import PromptBuilder, PromptError
+from workers.model.prompting import PromptBuilder, PromptError, ToolsUnsupported
 from workers.model.tokenizing import PromptTooLong, TokenizeCancelled
 
 log = logging.getLogger("llamapool.worker")
@@ -101,11 +102,13 @@ class LlamaEngine:
             return given, request.extra_stops
         try:
             return self.prompts.tokens(request, self.n_ctx, sink.should_stop)
+        except ToolsUnsupported as exc:
+            raise RequestRejected(ErrorCode.TOOLS_UNSUPPORTED, str(exc)) from None
         except PromptError as exc:
             raise RequestRejected(ErrorCode.INVALID_MESSAGES, str(exc)) from None
         except PromptTooLong as exc:
-            raise RequestRejected(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                                  str(exc)) from None
+            raise RequestRejected.context_exceeded(
+                exc.at_least, exc.n_ctx, exc.exact) from None
 
     # --- generation --------------------------------------------------------------
 
@@ -146,7 +149,9 @@ class LlamaEngine:
 
         self._follow_thread_budget(sink)
         detok = IncrementalDetokenizer(self._vocab)
-        output = TokenOutput(sink, request.stop + extra_stops)
+        live = (LiveTimings(started, len(prompt), plan.cached_tokens)
+                if request.timings_per_token else None)
+        output = TokenOutput(sink, request.stop + extra_stops, live)
         n_generated = 0
         first_token_at = None
         finish = "length"

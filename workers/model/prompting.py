@@ -12,6 +12,7 @@ tokenised in pieces that stop at the context limit or at a cancel.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import llama_cpp
@@ -23,7 +24,7 @@ from workers.model.tokenizing import BoundedTokenizer, PromptTooLong, TokenizeCa
 # The tokenising errors are raised through ``PromptBuilder.tokens``; callers
 # (the frontend's gate too) import them from here.
 __all__ = ["PromptBuilder", "PromptError", "PromptTooLong", "TokenizeCancelled",
-           "TEMPLATE_CHAT_FORMAT"]
+           "ToolsUnsupported", "TEMPLATE_CHAT_FORMAT"]
 
 #: Name of the chat format that means "the Jinja template in the GGUF".
 TEMPLATE_CHAT_FORMAT = "template"
@@ -33,11 +34,19 @@ class PromptError(ValueError):
     """The request's messages cannot be rendered."""
 
 
+class ToolsUnsupported(PromptError):
+    """The request offers ``tools``, and the chat format would not render
+    them: it is a named format, or a template that never mentions ``tools``
+    (``frontend.tool_calls`` says why that is the test)."""
+
+
 class PromptBuilder:
     """Renders chat messages and tokenises prompts for one model."""
 
     def __init__(self, llama: llama_cpp.Llama, chat_format: str | None) -> None:
         self.llama = llama
+        #: Whether ``tools`` reach the prompt (see ``ToolsUnsupported``).
+        self.renders_tools = False
         self._format_chat = self._chat_formatter(chat_format)
         self._tokenizer = BoundedTokenizer(llama)
 
@@ -54,6 +63,7 @@ class PromptBuilder:
             if template:
                 model = self.llama._model
                 eos, bos = model.token_eos(), model.token_bos()
+                self.renders_tools = "tools" in template
                 return llama_chat_format.Jinja2ChatFormatter(
                     template=template,
                     eos_token=model.token_get_text(eos) if eos != -1 else "",
@@ -89,9 +99,20 @@ class PromptBuilder:
             TokenizeCancelled: ``should_stop`` turned true on the way.
         """
         if request.kind == CHAT:
+            extra = {}
+            if request.tools:
+                if not self.renders_tools:
+                    raise ToolsUnsupported(
+                        "this model's chat template does not support tools "
+                        "(it never mentions 'tools'); use tool_choice 'none' "
+                        "or a model whose template renders them")
+                try:
+                    extra["tools"] = json.loads(request.tools)
+                except ValueError:  # the frontend sends JSON; a peer might not
+                    raise PromptError("'tools' is not JSON") from None
             try:
                 rendered = self._format_chat(
-                    messages=[m.as_dict() for m in request.messages])
+                    messages=[m.as_dict() for m in request.messages], **extra)
             except Exception as exc:  # a template error is about the input
                 raise PromptError(str(exc)) from None
             stops = rendered.stop or []

@@ -23,6 +23,7 @@ from protocol.payloads import CHAT, GenerationRequest
 from workers.model.engine import (
     GenerationResult,
     JobSink,
+    LiveTimings,
     RequestRejected,
     TokenOutput,
     token_budget,
@@ -69,14 +70,17 @@ class SyntheticEngine:
         # No model, no logits: refuse what needs them rather than ignore it.
         for field, given in (("grammar", request.grammar),
                              ("logprobs", request.logprobs is not None),
-                             ("logit_bias", request.sampling.logit_bias)):
+                             ("logit_bias", request.sampling.logit_bias),
+                             ("tools", request.tools)):
             if given:
                 raise RequestRejected(ErrorCode.UNSUPPORTED_FIELD,
                                       f"the synthetic engine has no {field}")
         started = time.perf_counter()
         n_prompt = count_prompt_tokens(request)
         max_tokens = token_budget(n_prompt, self.n_ctx, request.max_tokens)
-        output = TokenOutput(sink, request.stop + request.extra_stops)
+        live = (LiveTimings(started, n_prompt, 0)
+                if request.timings_per_token else None)
+        output = TokenOutput(sink, request.stop + request.extra_stops, live)
         interval_s = 1.0 / self.tokens_per_second
 
         n_generated = 0

@@ -74,6 +74,8 @@ class PromptTooLong(ValueError):
             f"the prompt {what} {at_least} tokens; the context holds {n_ctx}")
         self.at_least = at_least
         self.n_ctx = n_ctx
+        #: False: tokenising stopped early, ``at_least`` is a lower bound.
+        self.exact = exact
 
 
 class TokenizeCancelled(Exception):

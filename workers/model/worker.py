@@ -157,10 +157,11 @@ class ActiveJob:
 
     # --- JobSink, called by the engine in the main thread ------------------------
 
-    def emit(self, text: str, n_tokens: int, logprobs=()) -> None:
+    def emit(self, text: str, n_tokens: int, logprobs=(), timings=None) -> None:
         with self._credit_changed:
             self._credit -= 1
-        self._send(messages.Token(self.job_id, text, n_tokens, list(logprobs)))
+        self._send(messages.Token(self.job_id, text, n_tokens, list(logprobs),
+                                  timings))
 
     def should_stop(self) -> bool:
         return self._cancelled.is_set()
@@ -365,7 +366,8 @@ class ModelWorker(LinkHandler):
                     result.timings(), result.tail_text, result.tail_logprobs,
                 )
         except RequestRejected as exc:
-            msg = messages.Error(job.job_id, exc.code, exc.message)
+            msg = messages.Error(job.job_id, exc.code, exc.message,
+                                 exc.n_prompt_tokens, exc.n_ctx)
         except Exception:
             log.exception("job %s failed in the engine", job.job_id)
             msg = messages.Error(job.job_id, ErrorCode.ENGINE_ERROR,

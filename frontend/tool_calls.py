@@ -1,0 +1,207 @@
+"""Tool calling on the chat endpoint: ``tools``, ``tool_choice``, ``tool_calls``.
+
+What "the template supports tools" means here: the chat prompt is rendered
+by the GGUF's own Jinja template (``tokenizer.chat_template``, the default
+chat format) and that template mentions ``tools``, so it renders the tool
+list it is given. A named chat format, or a template that never reads
+``tools``, would drop them silently: such a pool answers 400 instead
+(``workers.model.prompting.ToolsUnsupported``, checked where the prompt is
+rendered: the frontend's gate, or the worker).
+
+The call format is the one most tool-aware templates teach (Hermes, Qwen):
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. The answer's
+text is searched for such blocks, which become OpenAI's ``tool_calls``
+(``finish_reason: "tool_calls"``); the text around them stays ``content``.
+
+``tool_choice``:
+
+* ``"none"``: the tools are not offered to the model; a normal answer (a
+  template without tool support is fine then);
+* ``"auto"`` (the default with tools): offered, and the model may call one;
+* ``"required"``, or ``{"type": "function", "function": {"name": ...}}``: a
+  grammar (``workers.model.grammar``) makes the output exactly one call, of
+  any offered function or of the named one, with arguments that match its
+  ``parameters`` schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from typing import Any
+
+from frontend.errors import BadRequest
+
+#: At most this many tools per request (OpenAI allows 128).
+MAX_TOOLS = 128
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL_BLOCK = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE),
+                         re.DOTALL)
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolRequest:
+    """What a chat request asks of tools."""
+
+    #: The tools as the template renders them (OpenAI's shape); empty: none.
+    tools: list[dict]
+    #: GBNF forcing one call ("": the model chooses).
+    grammar: str = ""
+
+    @property
+    def active(self) -> bool:
+        return bool(self.tools)
+
+
+NO_TOOLS = ToolRequest([])
+
+
+def _function(tool: Any, i: int) -> dict:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise BadRequest(f"{where} must be {{\"type\": \"function\", ...}}",
+                         param=where)
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise BadRequest(f"{where}.function must be an object",
+                         param=f"{where}.function")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise BadRequest(f"{where}.function.name must be 1-64 letters, digits, "
+                         "'_', '.' or '-'", param=f"{where}.function.name")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict):
+        raise BadRequest(f"{where}.function.parameters must be a JSON schema "
+                         "object", param=f"{where}.function.parameters")
+    return fn
+
+
+def _chosen_name(choice: Any, names: list[str]) -> str | None:
+    """The named function of ``tool_choice``; raise 400 if it is no tool."""
+    fn = choice.get("function") if choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or "
+                         "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                         param="tool_choice")
+    if name not in names:
+        raise BadRequest(f"'tool_choice' names {name[:64]!r}, which is not in "
+                         "'tools'", param="tool_choice")
+    return name
+
+
+def call_grammar(functions: list[dict]) -> str:
+    """GBNF for exactly one ``<tool_call>`` of one of ``functions``."""
+    from workers.model.grammar import GrammarError, schema_to_gbnf
+
+    alternatives = [{
+        "type": "object",
+        "properties": {
+            "name": {"const": fn["name"]},
+            "arguments": fn.get("parameters") or {"type": "object"},
+        },
+        "required": ["name", "arguments"],
+    } for fn in functions]
+    schema = alternatives[0] if len(alternatives) == 1 else {"oneOf": alternatives}
+    try:
+        gbnf = schema_to_gbnf(schema)
+    except GrammarError as exc:
+        raise BadRequest(f"'tools': a function's parameters: {exc}",
+                         param="tools") from None
+    # The converter's root is the JSON call; wrap it in the call markers.
+    gbnf = re.sub(r"^root ::=", "tool-call-json ::=", gbnf, flags=re.MULTILINE)
+    open_lit, close_lit = json.dumps(CALL_OPEN + "\n"), json.dumps("\n" + CALL_CLOSE)
+    return f"root ::= {open_lit} tool-call-json {close_lit}\n{gbnf}"
+
+
+def tool_request(body: dict) -> ToolRequest:
+    """``tools`` and ``tool_choice`` of a chat body, checked."""
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        raise BadRequest("'functions' is OpenAI's deprecated form; use 'tools'",
+                         param="functions")
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise BadRequest("'tool_choice' needs 'tools'", param="tool_choice")
+        return NO_TOOLS
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise BadRequest(f"'tools' must be a list of at most {MAX_TOOLS} tools",
+                         param="tools")
+    functions = [_function(t, i) for i, t in enumerate(tools)]
+    names = [fn["name"] for fn in functions]
+    if choice == "none":
+        return NO_TOOLS  # answered without offering them
+    if choice in (None, "auto"):
+        return ToolRequest(tools)
+    if choice == "required":
+        return ToolRequest(tools, call_grammar(functions))
+    if not isinstance(choice, dict):
+        raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or a "
+                         "function", param="tool_choice")
+    name = _chosen_name(choice, names)
+    return ToolRequest(tools, call_grammar([f for f in functions
+                                            if f["name"] == name]))
+
+
+def split_calls(text: str) -> tuple[str | None, list[dict]]:
+    """The answer's ``content`` and its ``tool_calls`` (OpenAI's shape).
+
+    A block that is not a JSON object with a string ``name`` stays in the
+    content, as the model wrote it.
+    """
+    calls, kept, at = [], [], 0
+    for match in _CALL_BLOCK.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            continue
+        arguments = call.get("arguments", {})
+        kept.append(text[at:match.start()])
+        at = match.end()
+        calls.append({
+            "id": "call_" + uuid.uuid4().hex[:24],
+            "type": "function",
+            "function": {
+                "name": call["name"],
+                # OpenAI sends the arguments as JSON text.
+                "arguments": arguments if isinstance(arguments, str)
+                else json.dumps(arguments, ensure_ascii=False),
+            },
+        })
+    kept.append(text[at:])
+    content = "".join(kept).strip() if calls else text
+    return (content or None) if calls else content, calls
+
+
+def calls_as_text(calls: Any, where: str) -> str:
+    """An assistant turn's earlier ``tool_calls``, written back in the call
+    form the model was taught, so the template shows the conversation as it
+    happened (``ChatMessage`` carries text). The tool's answer follows as a
+    ``tool`` message, matched by order (its ``tool_call_id`` is not
+    rendered)."""
+    if not isinstance(calls, list):
+        raise BadRequest(f"{where} must be a list", param=where)
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        arguments = fn.get("arguments", "{}") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise BadRequest(f"{where}[{i}] must be {{\"function\": {{\"name\": "
+                             "..., \"arguments\": \"<JSON text>\"}}}}",
+                             param=f"{where}[{i}]")
+        try:
+            parsed = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise BadRequest(f"{where}[{i}].function.arguments is not JSON",
+                             param=f"{where}[{i}].function.arguments") from None
+        body = json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False)
+        out.append(f"{CALL_OPEN}{body}{CALL_CLOSE}")
+    return "".join(out)
