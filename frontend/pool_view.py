@@ -84,13 +84,21 @@ def merge_statuses(replies: list[tuple[int, PoolStatus]]) -> PoolStatus | None:
     )
 
 
+#: Totals that are not sums over the brokers. ``n_tokens_max`` is a maximum
+#: by nature. ``started_at_unix`` says when the counters began: the merged
+#: counters drop when *any* broker restarts, so the newest start is the one
+#: a scraper must see (llama.cpp's ``Process-Start-Time-Unix``).
+_MAX_TOTALS = frozenset({"n_tokens_max", "started_at_unix"})
+
+
 def _sum_totals(totals: list[PoolTotals]) -> PoolTotals:
-    summed = {
-        field.name: sum(getattr(t, field.name) for t in totals)
+    merged = {
+        field.name: (max if field.name in _MAX_TOTALS else sum)(
+            getattr(t, field.name) for t in totals)
         for field in dataclasses.fields(PoolTotals)
         if field.name != "cancel_release_s"
     }
-    return PoolTotals(**summed, cancel_release_s=_sum_histograms(
+    return PoolTotals(**merged, cancel_release_s=_sum_histograms(
         [t.cancel_release_s for t in totals]))
 
 

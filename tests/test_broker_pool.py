@@ -8,6 +8,8 @@ through real processes in ``tests/faults/test_two_brokers.py``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import pytest
@@ -201,6 +203,20 @@ def test_merged_ledger_counts_each_worker_once():
     assert merged.cancel_release_s.count == 2
     assert merged.counters == {"no_slot": 2}
     assert merged.frontends == 2
+
+
+def test_merged_totals_that_are_not_sums():
+    """The longest sequence is a maximum; the counters' start is the newest
+    broker start (an older one would hide the reset from a scraper)."""
+    a, b = _status([_slot(0, "w0")]), _status([_slot(0, "w1")])
+    a = dataclasses.replace(a, stats=dataclasses.replace(
+        a.stats, n_tokens_max=300, started_at_unix=1000.0, n_decode_total=5))
+    b = dataclasses.replace(b, stats=dataclasses.replace(
+        b.stats, n_tokens_max=200, started_at_unix=2000.0, n_decode_total=7))
+    merged = merge_statuses([(0, a), (1, b)]).stats
+    assert merged.n_tokens_max == 300
+    assert merged.started_at_unix == 2000.0
+    assert merged.n_decode_total == 12
 
 
 @settings(max_examples=200, deadline=None)
