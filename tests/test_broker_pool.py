@@ -9,7 +9,6 @@ through real processes in ``tests/faults/test_two_brokers.py``.
 from __future__ import annotations
 
 import dataclasses
-
 import time
 
 import pytest
