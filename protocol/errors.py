@@ -27,6 +27,8 @@ class ErrorCode(str, enum.Enum):
     INVALID_MESSAGES = "invalid_messages"
     INVALID_GRAMMAR = "invalid_grammar"  # the GBNF does not compile
     UNSUPPORTED_FIELD = "unsupported_field"  # this engine cannot do it
+    #: An embedding input longer than the worker's embedding batch.
+    INPUT_TOO_LARGE = "input_too_large"
     # The worker ended the job.
     CLIENT_STALLED = "client_stalled"  # no credit for the stall timeout
     ENGINE_ERROR = "engine_error"  # the engine raised
