@@ -127,6 +127,8 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     W = WorkerSettings
     setting_flag(p, "--threads", W, "n_threads", type=_non_negative_int)
     setting_flag(p, "--model-name", W, "model_name")
+    setting_flag(p, "--embedding-batch", W, "embedding_batch_tokens",
+                 type=_positive_int)
     _add_model_flags(p, W)
 
 

@@ -173,7 +173,8 @@ def run_up(args: argparse.Namespace) -> int:
     worker_argv = [*cli, "worker", "--broker", workers_ep, "--model", model,
                    *shared, *liveness,
                    *_forwarded(args, {"n_threads": "--threads",
-                                      "model_name": "--model-name"})]
+                                      "model_name": "--model-name",
+                                      "embedding_batch_tokens": "--embedding-batch"})]
     frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
                      "--bind", f"{args.host}:{args.port}", "--model", model,
                      *shared, *liveness,

@@ -218,7 +218,10 @@ def test_prompt_tokens_are_counted(whole_pool):
 def gemma_pool(tmp_path_factory):
     from llamapool.supervisor import default_model_path
 
-    p = Pool(default_model_path(), tmp_path_factory.mktemp("gemma"), workers=1)
+    # One worker, so every request below meets the same KV cache; a small
+    # embedding batch, to check the flag reaches the worker.
+    p = Pool(default_model_path(), tmp_path_factory.mktemp("gemma"), workers=1,
+             worker_args=("--embedding-batch", "64"))
     yield p
     p.stop()
 
@@ -240,4 +243,25 @@ def test_default_gemma_model(gemma_pool):
         return sum(p * q for p, q in zip(x, y))
 
     assert cos(a, b) > cos(a, c)
+    r = post(gemma_pool, "/v1/embeddings", {"input": "word " * 80})
+    assert r.status_code == 400
+    assert "(current batch size: 64)" in r.json()["error"]["message"]
+    gemma_pool.assert_whole()
+
+
+def test_embedding_keeps_the_generation_cache(gemma_pool):
+    """An embedding runs in its own context: the next turn of a conversation
+    still finds its prefix in the worker's KV cache."""
+    prompt = "Once upon a time, in a small village by the sea, there lived " * 3
+
+    def cached() -> int:
+        r = post(gemma_pool, "/v1/completions",
+                 {"prompt": prompt, "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert post(gemma_pool, "/v1/embeddings",
+                {"input": "something else entirely"}).status_code == 200
+    assert cached() > 20
     gemma_pool.assert_whole()

@@ -20,7 +20,7 @@ from protocol.errors import ErrorCode
 from protocol.payloads import EMBEDDING, GenerationRequest
 from workers.model import kv_cache
 from workers.model.detokenizer import IncrementalDetokenizer
-from workers.model.embedding import Embedder
+from workers.model.embedding import DEFAULT_EMBEDDING_BATCH_TOKENS, Embedder
 from workers.model.engine import (
     GenerationResult,
     JobSink,
@@ -52,6 +52,7 @@ class LlamaEngine:
         n_batch: int = 512,
         chat_format: str | None = None,
         model_name: str | None = None,
+        embedding_batch_tokens: int = DEFAULT_EMBEDDING_BATCH_TOKENS,
     ) -> None:
         # llama.cpp rounds the context up to a multiple of 256, but Llama sizes
         # its token record (input_ids) to the number passed in: past that
@@ -71,7 +72,8 @@ class LlamaEngine:
         self._vocab = self.llama._model.vocab
         self.prompts = PromptBuilder(self.llama, chat_format)
         #: Embedding jobs run in a second context, made on the first one.
-        self.embedder = Embedder(self.llama, n_threads=n_threads)
+        self.embedder = Embedder(self.llama, n_threads=n_threads,
+                                 batch_tokens=embedding_batch_tokens)
         # Token ids that end generation (EOS, EOT, ...). ignore_eos bans them.
         self._eog_ids = [
             t

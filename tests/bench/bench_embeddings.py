@@ -1,0 +1,174 @@
+"""Embeddings on the default model: what the design choice costs.
+
+``python -m tests.bench.bench_embeddings [--model PATH] [--repeats N]``
+(``make bench-embeddings``) measures, for Gemma 3 270M by default:
+
+1. Through a real pool (broker, one worker with one thread, gunicorn):
+   latency of one input of 10, 100 and 500 tokens; a batch of 32 short
+   inputs in one request; the first request (which makes the worker's
+   embedding context); and the worker's RSS before and after that.
+2. In one process, the alternative this pool did not take, embedding in the
+   generation context with ``llama_set_embeddings`` toggled on: the
+   per-input time (per-token outputs, mean-pooled in numpy, as the
+   generation context's pooling is the model's "none"), and what it would
+   cost the next chat turn, whose cached prefix the embedding overwrote
+   (the prefill of a 1000-token conversation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import llama_cpp
+import numpy as np
+from llama_cpp import _internals
+
+from tests.bench.harness import md_table
+from tests.pool import Pool
+from workers.model.embedding import Embedder, normalize
+
+WORD = "lorem "
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def text_of(vocab: llama_cpp.Llama, n_tokens: int) -> str:
+    """A text that tokenises (with BOS) to exactly ``n_tokens``."""
+    words = n_tokens
+    while True:
+        text = (WORD * words).strip()
+        got = len(vocab.tokenize(text.encode(), add_bos=True, special=True))
+        if got == n_tokens:
+            return text
+        words += n_tokens - got
+        if words <= 0:
+            raise RuntimeError("cannot hit the token count")
+
+
+def post_ms(url: str, body: dict) -> tuple[float, dict]:
+    started = time.perf_counter()
+    r = httpx.post(url + "/v1/embeddings", json=body, timeout=300)
+    elapsed = (time.perf_counter() - started) * 1000
+    r.raise_for_status()
+    return elapsed, r.json()
+
+
+def through_pool(model: str, vocab: llama_cpp.Llama, repeats: int) -> list[list]:
+    rows = []
+    with tempfile.TemporaryDirectory() as run_dir:
+        pool = Pool(Path(model), Path(run_dir), workers=1)
+        try:
+            worker_pid = pool.workers[0].pid
+            rss_before = rss_mib(worker_pid)
+            first_ms, _ = post_ms(pool.url, {"input": text_of(vocab, 10)})
+            rss_after = rss_mib(worker_pid)
+            rows.append(["first request (makes the context), 10 tokens",
+                         first_ms, None, None])
+            for n in (10, 100, 500):
+                text = text_of(vocab, n)
+                times = [post_ms(pool.url, {"input": text})[0]
+                         for _ in range(repeats)]
+                p50 = statistics.median(times)
+                rows.append([f"1 input of {n} tokens", p50, 1000 / p50,
+                             n * 1000 / p50])
+            batch = [text_of(vocab, 10)] * 32
+            times = []
+            for _ in range(max(1, repeats // 2)):
+                ms, body = post_ms(pool.url, {"input": batch})
+                times.append(ms)
+            p50 = statistics.median(times)
+            tokens = body["usage"]["prompt_tokens"]
+            rows.append(["batch of 32 inputs of 10 tokens", p50, 32 * 1000 / p50,
+                         tokens * 1000 / p50])
+            rows.append(["worker RSS before / after first embedding (MiB)",
+                         None, None, f"{rss_before:.0f} / {rss_after:.0f}"])
+        finally:
+            pool.stop()
+    return rows
+
+
+def in_process(model: str, repeats: int) -> list[list]:
+    llama = llama_cpp.Llama(model_path=model, n_ctx=2048, n_threads=1,
+                            n_threads_batch=1, verbose=False)
+    rows = []
+    tokens_100 = llama.tokenize((WORD * 99).encode(), add_bos=True, special=True)
+    # This pool's way: the second, pooled context.
+    embedder = Embedder(llama, n_threads=1)
+    started = time.perf_counter()
+    embedder._context()
+    rows.append(["make the embedding context (once per worker)",
+                 (time.perf_counter() - started) * 1000])
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        embedder.vector(tokens_100, 2)
+        times.append((time.perf_counter() - started) * 1000)
+    rows.append([f"second context: 1 input of {len(tokens_100)} tokens",
+                 statistics.median(times)])
+    # The alternative: toggle embeddings on the generation context.
+    ctx = llama._ctx
+    batch = _internals.LlamaBatch(n_tokens=512, embd=0, n_seq_max=1, verbose=False)
+    n_embd = llama.n_embd()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        llama_cpp.llama_set_embeddings(ctx.ctx, True)
+        ctx.kv_cache_clear()
+        batch.reset()
+        batch.add_sequence(tokens_100, 0, True)
+        ctx.decode(batch)
+        per_token = np.stack([
+            np.ctypeslib.as_array(llama_cpp.llama_get_embeddings_ith(ctx.ctx, i),
+                                  shape=(n_embd,))
+            for i in range(len(tokens_100))])
+        normalize(per_token.mean(axis=0), 2)
+        llama_cpp.llama_set_embeddings(ctx.ctx, False)
+        times.append((time.perf_counter() - started) * 1000)
+    rows.append([f"toggled generation context: 1 input of {len(tokens_100)} tokens",
+                 statistics.median(times)])
+    # What toggling costs the next turn: its cached prefix is gone.
+    conversation = llama.tokenize((WORD * 999).encode(), add_bos=True)
+    times = []
+    for _ in range(max(1, repeats // 3)):
+        llama.reset()
+        ctx.kv_cache_clear()
+        started = time.perf_counter()
+        llama.eval(conversation)
+        times.append((time.perf_counter() - started) * 1000)
+    rows.append([f"toggled: re-prefill of a {len(conversation)}-token conversation "
+                 "after each embedding", statistics.median(times)])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None, help="GGUF (default: Gemma 3 270M)")
+    parser.add_argument("--repeats", type=int, default=6)
+    args = parser.parse_args()
+    if args.model is None:
+        from llamapool.supervisor import default_model_path
+
+        args.model = default_model_path()
+    vocab = llama_cpp.Llama(model_path=args.model, vocab_only=True, verbose=False)
+    print(f"model: {Path(args.model).name}, 1 thread, "
+          f"{args.repeats} repeats (median)\n", file=sys.stderr)
+    print(md_table(["through the pool", "ms", "inputs/s", "tokens/s"],
+                   through_pool(args.model, vocab, args.repeats)))
+    print()
+    print(md_table(["in one process", "ms"], in_process(args.model, args.repeats)))
+
+
+if __name__ == "__main__":
+    main()
