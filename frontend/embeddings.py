@@ -25,6 +25,7 @@ wrapped in a list as llama.cpp does for a pooled model. Per-token vectors
 from __future__ import annotations
 
 import base64
+import json
 import struct
 
 import falcon
@@ -147,8 +148,28 @@ def collect_vectors(job: Job) -> tuple[list[bytes], messages.Final]:
         job.end(LeaseEnding.LOCAL_ERROR)  # a no-op after FINAL or ERROR
 
 
-def _floats(vector: bytes) -> list[float]:
-    return list(struct.unpack(f"<{len(vector) // 4}f", vector))
+def _floats_json(vector: bytes) -> str:
+    """One vector as a JSON array. Encoded vector by vector, so a batch never
+    exists as millions of Python floats at once (2048 inputs of 4096
+    dimensions would be 8 M objects); only its text does."""
+    return json.dumps(struct.unpack(f"<{len(vector) // 4}f", vector))
+
+
+def shape_response(parsed: EmbeddingRequest, vectors: list[bytes], model: str,
+                   prompt_tokens: int) -> bytes:
+    """The JSON body: OpenAI's object, or llama.cpp's native list."""
+    if parsed.native:
+        items = [f'{{"index":{i},"embedding":[{_floats_json(v)}]}}'
+                 for i, v in enumerate(vectors)]
+        return ("[" + ",".join(items) + "]").encode()
+    items = []
+    for i, vector in enumerate(vectors):
+        embedding = (json.dumps(base64.b64encode(vector).decode("ascii"))
+                     if parsed.base64 else _floats_json(vector))
+        items.append(f'{{"object":"embedding","index":{i},"embedding":{embedding}}}')
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    return ('{"object":"list","data":[' + ",".join(items) + '],"model":'
+            + json.dumps(model) + ',"usage":' + json.dumps(usage) + "}").encode()
 
 
 class EmbeddingsResource:
@@ -181,19 +202,7 @@ class EmbeddingsResource:
             # seen by the broker); never answer with part of a batch.
             raise UpstreamError(ErrorCode.WORKER_SHUTDOWN,
                                 "the embedding job ended before every input")
-        if parsed.native:
-            resp.media = [{"index": i, "embedding": [_floats(v)]}
-                          for i, v in enumerate(vectors)]
-            return
         model = job.model or s.model_name or parsed.model or "llamapool"
-        data = []
-        for i, vector in enumerate(vectors):
-            if parsed.base64:
-                data.append({"object": "embedding", "index": i,
-                             "embedding": base64.b64encode(vector).decode("ascii")})
-            else:
-                data.append({"object": "embedding", "index": i,
-                             "embedding": _floats(vector)})
-        n = final.usage.prompt_tokens
-        resp.media = {"object": "list", "data": data, "model": model,
-                      "usage": {"prompt_tokens": n, "total_tokens": n}}
+        resp.content_type = falcon.MEDIA_JSON
+        resp.data = shape_response(parsed, vectors, model,
+                                   final.usage.prompt_tokens)

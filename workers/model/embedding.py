@@ -163,7 +163,9 @@ class Embedder:
             sink.emit_embedding(vector.astype("<f4").tobytes(), len(tokens))
             done_tokens += len(tokens)
             elapsed = time.perf_counter() - started
-            sink.report_progress(total, 0, 0,
+            # Input tokens embedded stand for tokens generated, so that the
+            # broker's Retry-After (remaining / speed) counts this job too.
+            sink.report_progress(total, done_tokens, total,
                                  done_tokens / elapsed if elapsed > 0 else 0.0,
                                  len(tokens))
         elapsed_ms = (time.perf_counter() - started) * 1000
