@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -65,7 +66,8 @@ def post_ms(url: str, body: dict) -> tuple[float, dict]:
     return elapsed, r.json()
 
 
-def through_pool(model: str, vocab: llama_cpp.Llama, repeats: int) -> list[list]:
+def through_pool(model: str, vocab: llama_cpp.Llama, repeats: int,
+                 sizes: tuple[int, ...]) -> list[list]:
     rows = []
     with tempfile.TemporaryDirectory() as run_dir:
         pool = Pool(Path(model), Path(run_dir), workers=1)
@@ -76,7 +78,7 @@ def through_pool(model: str, vocab: llama_cpp.Llama, repeats: int) -> list[list]
             rss_after = rss_mib(worker_pid)
             rows.append(["first request (makes the context), 10 tokens",
                          first_ms, None, None])
-            for n in (10, 100, 500):
+            for n in sizes:
                 text = text_of(vocab, n)
                 times = [post_ms(pool.url, {"input": text})[0]
                          for _ in range(repeats)]
@@ -110,20 +112,16 @@ def in_process(model: str, repeats: int) -> list[list]:
     embedder._context()
     rows.append(["make the embedding context (once per worker)",
                  (time.perf_counter() - started) * 1000])
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        embedder.vector(tokens_100, 2)
-        times.append((time.perf_counter() - started) * 1000)
-    rows.append([f"second context: 1 input of {len(tokens_100)} tokens",
-                 statistics.median(times)])
-    # The alternative: toggle embeddings on the generation context.
+    # The alternative: toggle embeddings on the generation context. Measured
+    # alternately with the second context, so load drifts hit both alike.
     ctx = llama._ctx
     batch = _internals.LlamaBatch(n_tokens=512, embd=0, n_seq_max=1, verbose=False)
     n_embd = llama.n_embd()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
+
+    def second_context() -> None:
+        embedder.vector(tokens_100, 2)
+
+    def toggled() -> None:
         llama_cpp.llama_set_embeddings(ctx.ctx, True)
         ctx.kv_cache_clear()
         batch.reset()
@@ -135,9 +133,27 @@ def in_process(model: str, repeats: int) -> list[list]:
             for i in range(len(tokens_100))])
         normalize(per_token.mean(axis=0), 2)
         llama_cpp.llama_set_embeddings(ctx.ctx, False)
-        times.append((time.perf_counter() - started) * 1000)
-    rows.append([f"toggled generation context: 1 input of {len(tokens_100)} tokens",
-                 statistics.median(times)])
+
+    def prefill_only() -> None:
+        # The same tokens as a prompt: logits of the last token only.
+        llama.reset()
+        ctx.kv_cache_clear()
+        llama.eval(tokens_100)
+
+    times: dict[str, list[float]] = {"second": [], "toggled": [], "prefill": []}
+    for _ in range(repeats):
+        for name, fn in (("second", second_context), ("toggled", toggled),
+                         ("prefill", prefill_only)):
+            started = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - started) * 1000)
+    n = len(tokens_100)
+    rows.append([f"second context: 1 input of {n} tokens",
+                 statistics.median(times["second"])])
+    rows.append([f"toggled generation context: 1 input of {n} tokens",
+                 statistics.median(times["toggled"])])
+    rows.append([f"for scale: a {n}-token prompt's prefill (last logits only)",
+                 statistics.median(times["prefill"])])
     # What toggling costs the next turn: its cached prefix is gone.
     conversation = llama.tokenize((WORD * 999).encode(), add_bos=True)
     times = []
@@ -156,16 +172,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="GGUF (default: Gemma 3 270M)")
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--quick", action="store_true",
+                        help="2 repeats, no 500-token input (a smoke run)")
     args = parser.parse_args()
+    sizes = (10, 100) if args.quick else (10, 100, 500)
+    if args.quick:
+        args.repeats = 2
     if args.model is None:
         from llamapool.supervisor import default_model_path
 
         args.model = default_model_path()
     vocab = llama_cpp.Llama(model_path=args.model, vocab_only=True, verbose=False)
-    print(f"model: {Path(args.model).name}, 1 thread, "
-          f"{args.repeats} repeats (median)\n", file=sys.stderr)
+    print(f"model: {Path(args.model).name}, 1 thread, {args.repeats} repeats "
+          f"(median), load average {os.getloadavg()[0]:.1f}\n", file=sys.stderr)
     print(md_table(["through the pool", "ms", "inputs/s", "tokens/s"],
-                   through_pool(args.model, vocab, args.repeats)))
+                   through_pool(args.model, vocab, args.repeats, sizes)))
     print()
     print(md_table(["in one process", "ms"], in_process(args.model, args.repeats)))
 
