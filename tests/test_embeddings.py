@@ -92,6 +92,20 @@ def test_batch_order_is_preserved(whole_pool):
         assert close(item["embedding"], alone[2 - i])
 
 
+def test_largest_batch_flows_under_credit(whole_pool):
+    """2048 inputs (the limit): a SUBMIT the broker accepts, and eight times
+    the worker's credit window of frames, all in order."""
+    texts = [f"word number {i}" for i in range(2048)]
+    r = post(whole_pool, "/v1/embeddings", {"input": texts,
+                                            "encoding_format": "base64"})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == list(range(2048))
+    last = post(whole_pool, "/v1/embeddings", {"input": texts[-1],
+                                               "encoding_format": "base64"})
+    assert data[-1]["embedding"] == last.json()["data"][0]["embedding"]
+
+
 def test_token_ids_equal_text(whole_pool, tiny_model):
     """Token-id input gives the text's vector once tokenised as llama.cpp's
     server tokenises embedding input (BOS added, special tokens parsed)."""
