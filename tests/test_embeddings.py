@@ -184,6 +184,9 @@ def test_bad_input_gets_400_naming_the_field(whole_pool, body, param, needle):
      "tokens) is too large to process. increase the physical batch size "
      "(current batch size: 512)"),
     ({"input": [[1, 2, 10**9]]}, "token ids must be in the vocabulary"),
+    # Quadratic for llama.cpp's own tokeniser (minutes); refused by its size
+    # here, with bounded work (workers.model.tokenizing).
+    ({"input": "<s>" * 100_000}, "input[0]: input (at least"),
 ])
 def test_worker_refusals_are_400s(whole_pool, body, needle):
     r = post(whole_pool, "/v1/embeddings", body)

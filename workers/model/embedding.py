@@ -20,6 +20,7 @@ length).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import llama_cpp
 import numpy as np
@@ -28,6 +29,8 @@ from llama_cpp import _internals
 from protocol.errors import ErrorCode
 from protocol.payloads import EmbeddingInput, GenerationRequest
 from workers.model.engine import GenerationResult, JobSink, RequestRejected
+from workers.model.prompting import PromptBuilder
+from workers.model.tokenizing import PromptTooLong, TokenizeCancelled
 
 #: Tokens one input may have: the embedding context's size and its physical
 #: batch (a pooled input must be decoded in one ubatch, as in llama.cpp).
@@ -62,14 +65,17 @@ class Embedder:
     """Pooled, normalised vectors for token lists, one input per decode.
 
     Args:
-        model: the generation ``Llama``'s loaded model (weights are shared).
+        llama: the generation ``Llama`` (its model's weights are shared).
+        prompts: its prompt builder, for bounded tokenising.
         n_threads: threads for decode, as for generation.
         batch_tokens: the largest input, in tokens.
     """
 
-    def __init__(self, llama: llama_cpp.Llama, *, n_threads: int | None,
+    def __init__(self, llama: llama_cpp.Llama, prompts: PromptBuilder, *,
+                 n_threads: int | None,
                  batch_tokens: int = DEFAULT_EMBEDDING_BATCH_TOKENS) -> None:
         self._llama = llama
+        self._prompts = prompts
         self._n_threads = n_threads
         self.batch_tokens = batch_tokens
         self._ctx: _internals.LlamaContext | None = None
@@ -95,18 +101,41 @@ class Embedder:
                 n_tokens=self.batch_tokens, embd=0, n_seq_max=1, verbose=False)
         return self._ctx
 
-    def tokens_of(self, item: EmbeddingInput) -> list[int]:
-        """The input's tokens; text gets BOS and special tokens parsed, as
-        llama.cpp's server tokenises embedding inputs."""
+    def tokens_of(self, i: int, item: EmbeddingInput,
+                  should_stop: Callable[[], bool]) -> list[int]:
+        """Input ``i``'s tokens, refused if empty or longer than the batch.
+
+        Text gets BOS and special tokens parsed, as llama.cpp's server
+        tokenises embedding inputs; it is tokenised with bounded work
+        (``workers.model.tokenizing``), stopping once past the batch.
+        """
         if item.tokens is not None:
             n_vocab = self._llama.n_vocab()
             if not all(0 <= t < n_vocab for t in item.tokens):
                 raise RequestRejected(ErrorCode.INVALID_PROMPT_TOKENS,
-                                      "input: token ids must be in the vocabulary")
-            return item.tokens
-        # Bounded by the frontend's body limit; the count is checked after.
-        return self._llama.tokenize(item.text.encode("utf-8"), add_bos=True,
-                                    special=True)
+                                      f"input[{i}]: token ids must be in the "
+                                      "vocabulary")
+            tokens = item.tokens
+        else:
+            try:
+                tokens = self._prompts.tokenize_text(
+                    item.text, self.batch_tokens + 1, should_stop)
+            except PromptTooLong as exc:
+                raise self._too_large(i, f"at least {exc.at_least}") from None
+        if not tokens:
+            raise RequestRejected(ErrorCode.INVALID_PROMPT_TOKENS,
+                                  f"input[{i}]: Input content cannot be empty")
+        if len(tokens) > self.batch_tokens:
+            raise self._too_large(i, str(len(tokens)))
+        return tokens
+
+    def _too_large(self, i: int, counted: str) -> RequestRejected:
+        # llama.cpp's text (server-context.cpp), plus which input.
+        return RequestRejected(
+            ErrorCode.INPUT_TOO_LARGE,
+            f"input[{i}]: input ({counted} tokens) is too large to process. "
+            f"increase the physical batch size (current batch size: "
+            f"{self.batch_tokens})")
 
     def vector(self, tokens: list[int], normalize_mode: int) -> np.ndarray:
         """One input's pooled vector (``tokens`` fits ``batch_tokens``)."""
@@ -131,20 +160,15 @@ class Embedder:
                 ErrorCode.UNSUPPORTED_FIELD,
                 f"'dimensions' is not supported: this model's embeddings have "
                 f"{self.n_embd} dimensions and are not truncated")
-        all_tokens = [self.tokens_of(item) for item in request.inputs]
-        total = 0
-        for i, tokens in enumerate(all_tokens):
-            if not tokens:
-                raise RequestRejected(ErrorCode.INVALID_PROMPT_TOKENS,
-                                      f"input[{i}]: Input content cannot be empty")
-            if len(tokens) > self.batch_tokens:
-                # llama.cpp's text (server-context.cpp), plus which input.
-                raise RequestRejected(
-                    ErrorCode.INPUT_TOO_LARGE,
-                    f"input[{i}]: input ({len(tokens)} tokens) is too large to "
-                    "process. increase the physical batch size (current batch "
-                    f"size: {self.batch_tokens})")
-            total += len(tokens)
+        try:
+            all_tokens = [self.tokens_of(i, item, sink.should_stop)
+                          for i, item in enumerate(request.inputs)]
+        except TokenizeCancelled:
+            return GenerationResult(
+                finish_reason="cancelled", prompt_tokens=0, completion_tokens=0,
+                cached_tokens=0, prompt_ms=(time.perf_counter() - started) * 1000,
+                predicted_ms=0.0)
+        total = sum(len(tokens) for tokens in all_tokens)
         if total > MAX_EMBEDDING_REQUEST_TOKENS:
             raise RequestRejected(
                 ErrorCode.INPUT_TOO_LARGE,

@@ -72,7 +72,7 @@ class LlamaEngine:
         self._vocab = self.llama._model.vocab
         self.prompts = PromptBuilder(self.llama, chat_format)
         #: Embedding jobs run in a second context, made on the first one.
-        self.embedder = Embedder(self.llama, n_threads=n_threads,
+        self.embedder = Embedder(self.llama, self.prompts, n_threads=n_threads,
                                  batch_tokens=embedding_batch_tokens)
         # Token ids that end generation (EOS, EOT, ...). ignore_eos bans them.
         self._eog_ids = [
