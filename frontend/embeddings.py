@@ -47,6 +47,10 @@ EMBEDDING_FIELDS = frozenset({"input", "content", "model", "encoding_format",
                               "dimensions", "user", "embd_normalize"})
 
 
+#: No vocabulary is this large; a larger id is refused at the door.
+MAX_TOKEN_ID = 2**31
+
+
 def _is_token_list(value: object) -> bool:
     return (isinstance(value, list) and bool(value)
             and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
@@ -61,6 +65,11 @@ def _one_input(value: object, param: str, where: str) -> EmbeddingInput:
         if not value:
             raise BadRequest(f"'{param}'{where} must not be empty", param=param)
         if _is_token_list(value):
+            # The worker checks ids against its vocabulary; this bound only
+            # keeps them packable on the wire (msgpack has no big ints).
+            if not all(0 <= t < MAX_TOKEN_ID for t in value):
+                raise BadRequest(f"'{param}'{where} has a token id out of range",
+                                 param=param)
             return EmbeddingInput(tokens=value)
     raise BadRequest(
         f"'{param}'{where} must be a string or a list of token ids", param=param)
