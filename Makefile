@@ -39,7 +39,8 @@ faults: $(STAMP_TEST)
 	bench-curve-roles bench-slow-clients bench-rogue-final bench-prompt-size \
 	bench-retry-after bench-output-controls bench-limits bench-web-page \
 	bench-thread-stepdown llama-server bench-cpu-per-token \
-	bench-llama-details
+	bench-llama-details \
+	bench-embeddings
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -84,6 +85,11 @@ bench-rogue-final: $(STAMP_TEST)
 
 bench-prompt-size: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_prompt_size $(BENCH_ARGS)
+
+# Embeddings on the default model: latency, batch throughput, the second
+# context's memory, and the toggled-context alternative (issue 11).
+bench-embeddings: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_embeddings $(BENCH_ARGS)
 
 bench-retry-after: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_retry_after $(BENCH_ARGS)

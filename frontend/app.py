@@ -18,6 +18,7 @@ from frontend.auth import ApiKeyMiddleware
 from frontend.broker_link import BrokerLink
 from frontend.broker_pool import BrokerPool
 from frontend.cors import cors_middleware
+from frontend.embeddings import EmbeddingsResource
 from frontend.errors import (
     Unavailable,
     install_error_handlers,
@@ -318,6 +319,10 @@ def create_app(
         app.add_route(f"{prefix}/chat/completions", chat)
         app.add_route(f"{prefix}/models", models)
         app.add_route(f"{prefix}/health", health)
+    app.add_route("/v1/embeddings", EmbeddingsResource(link, settings, native=False))
+    native_embeddings = EmbeddingsResource(link, settings, native=True)
+    app.add_route("/embeddings", native_embeddings)
+    app.add_route("/embedding", native_embeddings)  # llama.cpp's older name
     app.add_route("/slots", SlotsResource(link, settings))
     app.add_route("/metrics", MetricsResource(link, settings))
     add_page_routes(app)

@@ -143,6 +143,8 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     setting_flag(p, "--threads", W, "n_threads", type=_threads)
     setting_flag(p, "--pool-cores", W, "pool_cores", type=_positive_int)
     setting_flag(p, "--model-name", W, "model_name")
+    setting_flag(p, "--embedding-batch", W, "embedding_batch_tokens",
+                 type=_positive_int)
     _add_model_flags(p, W)
 
 

@@ -174,7 +174,8 @@ def run_up(args: argparse.Namespace) -> int:
                    *shared, *liveness,
                    *_forwarded(args, {"n_threads": "--threads",
                                       "pool_cores": "--pool-cores",
-                                      "model_name": "--model-name"})]
+                                      "model_name": "--model-name",
+                                      "embedding_batch_tokens": "--embedding-batch"})]
     frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
                      "--bind", f"{args.host}:{args.port}", "--model", model,
                      *shared, *liveness,

@@ -29,6 +29,8 @@ class ErrorCode(str, enum.Enum):
     UNSUPPORTED_FIELD = "unsupported_field"  # this engine cannot do it
     #: ``tools`` given, but the chat template does not render them.
     TOOLS_UNSUPPORTED = "tools_unsupported"
+    #: An embedding input longer than the worker's embedding batch.
+    INPUT_TOO_LARGE = "input_too_large"
     # The worker ended the job.
     CLIENT_STALLED = "client_stalled"  # no credit for the stall timeout
     ENGINE_ERROR = "engine_error"  # the engine raised

@@ -62,6 +62,10 @@ MAX_SMALL_BODY_BYTES = 64 * KIB
 MAX_PROMPT_TOKENS = 256 * KIB
 #: Chat turns in one request. A 1 MiB body holds ~35 k minimal turns.
 MAX_CHAT_MESSAGES = 64 * KIB
+#: Inputs in one embedding request (OpenAI's limit). Each is two containers
+#: (its record and its token list), well inside SUBMIT's container budget,
+#: which a request never spends on chat turns at the same time.
+MAX_EMBEDDING_INPUTS = 2048
 
 #: String caps for what the broker keeps per peer and per job.
 MAX_HOST_CHARS = 255  # a DNS name

@@ -245,20 +245,27 @@ class Credit(Message):
 
 
 @_register(0x15, limits.JOB_FRAME, job_id=_STR, text=_STR, n_tokens=_INT,
-           logprobs=ListOf(TokenLogprob), timings=Optional(Timings))
+           logprobs=ListOf(TokenLogprob), timings=Optional(Timings),
+           embedding=(bytes,))
 class Token(Message):
     """Worker -> broker -> frontend: new output text covering ``n_tokens``.
 
     ``logprobs``: one entry per token this frame covers, when the request
     asked for them (``GenerationRequest.logprobs``). ``timings``: the job's
     timings so far, when it asked for them on every token
-    (``GenerationRequest.timings_per_token``)."""
+    (``GenerationRequest.timings_per_token``).
+
+    ``embedding``: for an embedding job, one input's pooled vector as
+    little-endian float32 (OpenAI's base64 form, before base64), one frame per
+    input in order, so a batch flows under credit like generated text; its
+    ``n_tokens`` counts that input's tokens."""
 
     job_id: str
     text: str
     n_tokens: int = 1
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     timings: Timings | None = None
+    embedding: bytes = b""
 
 
 #: How a job can end well; anything else in a FINAL is malformed.

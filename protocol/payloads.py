@@ -56,6 +56,8 @@ MAX_TOP_LOGPROBS = 20
 #: What a generation request is: a raw prompt, or chat messages to render.
 COMPLETION = "completion"
 CHAT = "chat"
+#: Embedding vectors of ``GenerationRequest.inputs`` (``frontend.embeddings``).
+EMBEDDING = "embedding"
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -108,12 +110,22 @@ class Sampling(WireRecord):
     logit_bias: list[LogitBias] = dataclasses.field(default_factory=list)
 
 
-@wire_record(kind=OneOf(COMPLETION, CHAT), prompt=_STR,
+@wire_record(text=_STR, tokens=Optional(ListOf(_INT)))
+class EmbeddingInput(WireRecord):
+    """One input of an embedding request: text for the worker to tokenise
+    (with BOS and special tokens, as llama.cpp's server does), or token ids."""
+
+    text: str = ""
+    tokens: list[int] | None = None
+
+
+@wire_record(kind=OneOf(COMPLETION, CHAT, EMBEDDING), prompt=_STR,
              messages=ListOf(ChatMessage), max_tokens=Optional(_INT),
              sampling=Sampling, stop=ListOf(_STR),
              prompt_tokens=Optional(ListOf(_INT)), extra_stops=ListOf(_STR),
              grammar=_STR, logprobs=Optional(_INT), timings_per_token=_BOOL,
-             tools=_STR)
+             tools=_STR, inputs=ListOf(EmbeddingInput), embd_normalize=_INT,
+             dimensions=Optional(_INT))
 class GenerationRequest(WireRecord):
     """One generation, as validated at the HTTP door (``frontend.openai_schema``).
 
@@ -145,6 +157,15 @@ class GenerationRequest(WireRecord):
     #: Chat only: the ``tools`` list (OpenAI's shape, as JSON text) for the
     #: chat template to render; "" offers none (``frontend.tool_calls``).
     tools: str = ""
+    #: ``kind`` embedding: the inputs, one pooled vector each, in order.
+    inputs: list[EmbeddingInput] = dataclasses.field(default_factory=list)
+    #: ``kind`` embedding: llama.cpp's ``embd_normalize`` (-1 none, 0 max
+    #: absolute, 1 taxicab, 2 Euclidean, >2 p-norm).
+    embd_normalize: int = 2
+    #: ``kind`` embedding: the vector size the client expects (OpenAI's
+    #: ``dimensions``); None: the model's. Vectors are never truncated, so
+    #: the worker refuses any other size before it computes anything.
+    dimensions: int | None = None
 
 
 # --- log-probabilities of generated tokens (TOKEN, FINAL) -------------------------

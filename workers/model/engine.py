@@ -151,6 +151,10 @@ class JobSink(Protocol):
         log-probability entries, and the timings so far, if the request
         asked for them)."""
 
+    def emit_embedding(self, vector: bytes, n_tokens: int) -> None:
+        """Send one input's embedding (little-endian float32) of ``n_tokens``
+        input tokens; an embedding job sends one per input, in order."""
+
     def should_stop(self) -> bool:
         """True once the job was cancelled; checked between tokens."""
 

@@ -28,4 +28,5 @@ def load_engine(settings: WorkerSettings) -> Engine:
         n_threads=settings.starting_threads,
         chat_format=settings.chat_format,
         model_name=settings.model_name or None,
+        embedding_batch_tokens=settings.embedding_batch_tokens,
     )

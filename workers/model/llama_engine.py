@@ -17,9 +17,10 @@ import llama_cpp
 
 from protocol import defaults
 from protocol.errors import ErrorCode
-from protocol.payloads import GenerationRequest
+from protocol.payloads import EMBEDDING, GenerationRequest
 from workers.model import kv_cache
 from workers.model.detokenizer import IncrementalDetokenizer
+from workers.model.embedding import DEFAULT_EMBEDDING_BATCH_TOKENS, Embedder
 from workers.model.engine import (
     GenerationResult,
     JobSink,
@@ -52,6 +53,7 @@ class LlamaEngine:
         n_batch: int = 512,
         chat_format: str | None = None,
         model_name: str | None = None,
+        embedding_batch_tokens: int = DEFAULT_EMBEDDING_BATCH_TOKENS,
     ) -> None:
         # llama.cpp rounds the context up to a multiple of 256, but Llama sizes
         # its token record (input_ids) to the number passed in: past that
@@ -72,6 +74,9 @@ class LlamaEngine:
         self.model_name = model_name or os.path.basename(model_path)
         self._vocab = self.llama._model.vocab
         self.prompts = PromptBuilder(self.llama, chat_format)
+        #: Embedding jobs run in a second context, made on the first one.
+        self.embedder = Embedder(self.llama, self.prompts, n_threads=n_threads,
+                                 batch_tokens=embedding_batch_tokens)
         # Token ids that end generation (EOS, EOT, ...). ignore_eos bans them.
         self._eog_ids = [
             t
@@ -113,6 +118,8 @@ class LlamaEngine:
     # --- generation --------------------------------------------------------------
 
     def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
+        if request.kind == EMBEDDING:
+            return self.embedder.run(request, sink)
         started = time.perf_counter()
         try:
             prompt, extra_stops = self._prompt_tokens(request, sink)

@@ -88,6 +88,19 @@ class PromptBuilder:
         return self._tokenizer.tokenize(text.encode("utf-8"), add_special=False,
                                         parse_special=False, limit=limit)
 
+    def tokenize_text(self, text: str, limit: int,
+                      should_stop: Callable[[], bool] | None = None) -> list[int]:
+        """The tokens of a text as a whole input: BOS added, special tokens
+        parsed (how llama.cpp's server reads an embedding input).
+
+        Raises:
+            PromptTooLong: ``limit`` tokens or more.
+            TokenizeCancelled: ``should_stop`` said so between pieces.
+        """
+        return self._tokenizer.tokenize(text.encode("utf-8"), add_special=True,
+                                        parse_special=True, limit=limit,
+                                        should_stop=should_stop)
+
     def tokens(self, request: GenerationRequest, limit: int,
                should_stop: Callable[[], bool] | None = None,
                ) -> tuple[list[int], list[str]]:

@@ -15,6 +15,7 @@ worker process does. Every default is documented here:
 | LLAMAPOOL_POOL_CORES           | (all CPUs)  | host cores for auto threads       |
 | LLAMAPOOL_CHAT_FORMAT          | (template)  | named chat format, e.g. gemma     |
 | LLAMAPOOL_MODEL_NAME           | (file name) | name in /v1/models                |
+| LLAMAPOOL_EMBEDDING_BATCH      | 512         | longest embedding input (tokens)  |
 | LLAMAPOOL_TOKENS_PER_SECOND    | 50.0        | synthetic engine output rate      |
 | LLAMAPOOL_HEARTBEAT_INTERVAL_S | 1.0         | heartbeat to the broker           |
 | LLAMAPOOL_HEARTBEAT_LIVENESS   | 3           | missed beats = broker lost        |
@@ -64,6 +65,10 @@ class WorkerSettings:
         shown="(template)")
     model_name: str = setting(
         "", "LLAMAPOOL_MODEL_NAME", "name in /v1/models", shown="(file name)")
+    #: The embedding context's size and batch (``workers.model.embedding``):
+    #: the longest embedding input, in tokens.
+    embedding_batch_tokens: int = setting(
+        512, "LLAMAPOOL_EMBEDDING_BATCH", "longest embedding input (tokens)")
     tokens_per_second: float = setting(
         50.0, "LLAMAPOOL_TOKENS_PER_SECOND", "synthetic engine output rate")
     heartbeat_interval_s: float = setting(

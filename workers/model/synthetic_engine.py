@@ -19,7 +19,7 @@ import time
 
 from protocol import defaults
 from protocol.errors import ErrorCode
-from protocol.payloads import CHAT, GenerationRequest
+from protocol.payloads import CHAT, EMBEDDING, GenerationRequest
 from workers.model.engine import (
     GenerationResult,
     JobSink,
@@ -71,7 +71,8 @@ class SyntheticEngine:
         for field, given in (("grammar", request.grammar),
                              ("logprobs", request.logprobs is not None),
                              ("logit_bias", request.sampling.logit_bias),
-                             ("tools", request.tools)):
+                             ("tools", request.tools),
+                             ("embeddings", request.kind == EMBEDDING)):
             if given:
                 raise RequestRejected(ErrorCode.UNSUPPORTED_FIELD,
                                       f"the synthetic engine has no {field}")

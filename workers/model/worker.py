@@ -163,6 +163,11 @@ class ActiveJob:
         self._send(messages.Token(self.job_id, text, n_tokens, list(logprobs),
                                   timings))
 
+    def emit_embedding(self, vector: bytes, n_tokens: int) -> None:
+        with self._credit_changed:
+            self._credit -= 1
+        self._send(messages.Token(self.job_id, "", n_tokens, embedding=vector))
+
     def should_stop(self) -> bool:
         return self._cancelled.is_set()
 

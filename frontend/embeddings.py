@@ -1,0 +1,217 @@
+"""``POST /v1/embeddings`` (OpenAI's shape) and ``/embeddings`` (llama.cpp's).
+
+An embedding request is a job like a generation: it takes a slot (so the
+503 + Retry-After rule holds for it too) and runs in the worker's second,
+pooled llama.cpp context (``workers.model.embedding``). The worker sends one
+TOKEN frame per input carrying the vector as float32 bytes, then FINAL with
+the usage; the prompt tokens count into the pool's usual prompt-token
+counter, with no generated tokens.
+
+Request: ``input`` is a string, a list of strings, a list of token ids, or
+a list of token-id lists (OpenAI); llama.cpp's ``content`` is accepted in
+its place and selects the native response, as in llama.cpp's server.
+``encoding_format`` is ``float`` or ``base64`` (little-endian float32, what
+the ``openai`` client asks for by default). ``dimensions`` is refused with a
+400 naming it unless it equals the model's size (vectors are not
+truncated); the worker, which knows the size, checks it before computing
+anything. ``embd_normalize`` is llama.cpp's.
+
+``/embeddings`` (and ``/embedding``) answer llama.cpp's native shape,
+``[{"index": i, "embedding": [[...]]}]``: one pooled vector per input,
+wrapped in a list as llama.cpp does for a pooled model. Per-token vectors
+(llama.cpp's ``--pooling none``) are not offered: the pool always pools.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+
+import falcon
+
+from frontend.broker_link import BrokerLink
+from frontend.errors import BadRequest, UpstreamError
+from frontend.generation import start_job
+from frontend.job import Job
+from frontend.lease import LeaseEnding
+from frontend.request_body import read_json_body
+from frontend.settings import FrontendSettings
+from protocol import messages
+from protocol.errors import ErrorCode
+from protocol.limits import MAX_EMBEDDING_INPUTS
+from protocol.payloads import EMBEDDING, EmbeddingInput, GenerationRequest
+
+#: Fields an embedding request may carry; anything else gets a 400 naming it.
+EMBEDDING_FIELDS = frozenset({"input", "content", "model", "encoding_format",
+                              "dimensions", "user", "embd_normalize"})
+
+
+#: No vocabulary is this large; a larger id is refused at the door.
+MAX_TOKEN_ID = 2**31
+
+
+def _is_token_list(value: object) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
+def _one_input(value: object, param: str, where: str) -> EmbeddingInput:
+    if isinstance(value, str):
+        if not value:
+            raise BadRequest(f"'{param}'{where} must not be empty", param=param)
+        return EmbeddingInput(text=value)
+    if isinstance(value, list):
+        if not value:
+            raise BadRequest(f"'{param}'{where} must not be empty", param=param)
+        if _is_token_list(value):
+            # The worker checks ids against its vocabulary; this bound only
+            # keeps them packable on the wire (msgpack has no big ints).
+            if not all(0 <= t < MAX_TOKEN_ID for t in value):
+                raise BadRequest(f"'{param}'{where} has a token id out of range",
+                                 param=param)
+            return EmbeddingInput(tokens=value)
+    raise BadRequest(
+        f"'{param}'{where} must be a string or a list of token ids", param=param)
+
+
+def parse_inputs(value: object, param: str) -> list[EmbeddingInput]:
+    """OpenAI's four shapes of ``input``, each input checked and non-empty."""
+    if isinstance(value, str) or _is_token_list(value):
+        return [_one_input(value, param, "")]
+    if not isinstance(value, list):
+        raise BadRequest(f"'{param}' must be a string, a list of strings, a list "
+                         "of token ids or a list of token-id lists", param=param)
+    if not value:
+        raise BadRequest(f"'{param}' must not be empty", param=param)
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise BadRequest(f"'{param}' has {len(value)} inputs; at most "
+                         f"{MAX_EMBEDDING_INPUTS}", param=param)
+    return [_one_input(item, param, f"[{i}]") for i, item in enumerate(value)]
+
+
+class EmbeddingRequest:
+    """A validated embedding body: what goes to a worker, and how to answer."""
+
+    def __init__(self, body: dict, native_route: bool) -> None:
+        for name, value in body.items():
+            if name not in EMBEDDING_FIELDS and value is not None:
+                raise BadRequest(f"'{name}' is not supported", param=name)
+        if body.get("input") is not None:
+            param = "input"
+        elif body.get("content") is not None:
+            param = "content"
+            native_route = True  # llama.cpp: "content" is not OAI compatible
+        else:
+            raise BadRequest("\"input\" or \"content\" must be provided",
+                             param="input")
+        self.inputs = parse_inputs(body[param], param)
+        self.native = native_route
+        self.model = body.get("model")
+        if self.model is not None and not isinstance(self.model, str):
+            raise BadRequest("'model' must be a string", param="model")
+        fmt = body.get("encoding_format")
+        if fmt not in (None, "float", "base64"):
+            raise BadRequest("'encoding_format' must be \"float\" or \"base64\"",
+                             param="encoding_format")
+        self.base64 = fmt == "base64"
+        dims = body.get("dimensions")
+        if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int)
+                                 or dims < 1):
+            raise BadRequest("'dimensions' must be a positive integer",
+                             param="dimensions")
+        self.dimensions = dims
+        norm = body.get("embd_normalize")
+        if norm is not None and (isinstance(norm, bool) or not isinstance(norm, int)
+                                 or not -1 <= norm <= 64):
+            raise BadRequest("'embd_normalize' must be an integer from -1 to 64",
+                             param="embd_normalize")
+        self.embd_normalize = 2 if norm is None else norm
+
+    def generation(self) -> GenerationRequest:
+        return GenerationRequest(kind=EMBEDDING, inputs=self.inputs,
+                                 embd_normalize=self.embd_normalize,
+                                 dimensions=self.dimensions)
+
+
+def collect_vectors(job: Job) -> tuple[list[bytes], messages.Final]:
+    """Read an embedding job to its end: one vector per TOKEN frame.
+
+    Bounded: the frontend accepted at most ``MAX_EMBEDDING_INPUTS`` inputs,
+    and the worker sends one frame per input.
+    """
+    vectors: list[bytes] = []
+    try:
+        while True:
+            msg = job.next_frame()
+            if isinstance(msg, messages.Token):
+                if len(vectors) >= MAX_EMBEDDING_INPUTS or not msg.embedding:
+                    raise UpstreamError(ErrorCode.WORKER_PROTOCOL_ERROR,
+                                        "the worker sent no embedding")
+                vectors.append(msg.embedding)
+            elif isinstance(msg, messages.Final):
+                return vectors, msg
+            else:
+                raise UpstreamError.from_frame(msg)
+    finally:
+        job.end(LeaseEnding.LOCAL_ERROR)  # a no-op after FINAL or ERROR
+
+
+def _floats_json(vector: bytes) -> str:
+    """One vector as a JSON array. Encoded vector by vector, so a batch never
+    exists as millions of Python floats at once (2048 inputs of 4096
+    dimensions would be 8 M objects); only its text does."""
+    return json.dumps(struct.unpack(f"<{len(vector) // 4}f", vector))
+
+
+def shape_response(parsed: EmbeddingRequest, vectors: list[bytes], model: str,
+                   prompt_tokens: int) -> bytes:
+    """The JSON body: OpenAI's object, or llama.cpp's native list."""
+    if parsed.native:
+        items = [f'{{"index":{i},"embedding":[{_floats_json(v)}]}}'
+                 for i, v in enumerate(vectors)]
+        return ("[" + ",".join(items) + "]").encode()
+    items = []
+    for i, vector in enumerate(vectors):
+        embedding = (json.dumps(base64.b64encode(vector).decode("ascii"))
+                     if parsed.base64 else _floats_json(vector))
+        items.append(f'{{"object":"embedding","index":{i},"embedding":{embedding}}}')
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    return ('{"object":"list","data":[' + ",".join(items) + '],"model":'
+            + json.dumps(model) + ',"usage":' + json.dumps(usage) + "}").encode()
+
+
+class EmbeddingsResource:
+    """``POST /v1/embeddings`` (``native=False``), ``/embeddings`` (True)."""
+
+    def __init__(self, link: BrokerLink, settings: FrontendSettings,
+                 native: bool) -> None:
+        self.link = link
+        self.settings = settings
+        self.native = native
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        s = self.settings
+        parsed = EmbeddingRequest(read_json_body(req, s.max_body_bytes),
+                                  self.native)
+        record = req.context.record
+        job = start_job(
+            self.link, parsed.generation(),
+            submit_timeout_s=s.submit_timeout_s,
+            frame_timeout_s=s.frame_timeout_s,
+            credit_batch_frames=s.credit_batch_frames,
+            outcome=record.expect_job(),
+            on_release=record.lease_released,
+        )
+        record.slot_id = job.slot_id
+        resp.set_header("X-Slot-Id", str(job.slot_id))
+        vectors, final = collect_vectors(job)
+        if final.finish_reason == "cancelled" or len(vectors) != len(parsed.inputs):
+            # Only a cancel we did not send ends it early (a frontend death
+            # seen by the broker); never answer with part of a batch.
+            raise UpstreamError(ErrorCode.WORKER_SHUTDOWN,
+                                "the embedding job ended before every input")
+        model = job.model or s.model_name or parsed.model or "llamapool"
+        resp.content_type = falcon.MEDIA_JSON
+        resp.data = shape_response(parsed, vectors, model,
+                                   final.usage.prompt_tokens)

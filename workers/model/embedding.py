@@ -1,0 +1,198 @@
+"""Embedding jobs in a generation worker: a second llama.cpp context.
+
+Why a second context and not the generation context with embeddings toggled
+on (``llama_set_embeddings``): the pooling type is fixed when a context is
+made, and the generation context's is the model's own, which for a causal LM
+such as Gemma 3 is "none" (llama.cpp's server then refuses ``/v1/embeddings``
+outright). Decoding an input in the generation context would also overwrite
+the KV cache that ``kv_cache.plan_reuse`` and the broker's prefix routing
+count on. The second context shares the model's weights; it costs its own
+KV cache and compute buffer, sized for one input (``tests/bench/
+bench_embeddings.py`` measures it), and is made on the first embedding job,
+so a pool that never embeds never pays for it.
+
+Pooling: the model's own if it has one, else mean (the usual choice for a
+causal LM's sentence vector). Normalisation follows llama.cpp's
+``common_embd_normalize`` (``embd_normalize``, default 2: unit Euclidean
+length).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import llama_cpp
+import numpy as np
+from llama_cpp import _internals
+
+from protocol.errors import ErrorCode
+from protocol.payloads import EmbeddingInput, GenerationRequest
+from workers.model.engine import GenerationResult, JobSink, RequestRejected
+from workers.model.prompting import PromptBuilder
+from workers.model.tokenizing import PromptTooLong, TokenizeCancelled
+
+#: Tokens one input may have: the embedding context's size and its physical
+#: batch (a pooled input must be decoded in one ubatch, as in llama.cpp).
+DEFAULT_EMBEDDING_BATCH_TOKENS = 512
+
+#: Tokens one request may have over all its inputs: a batch of inputs is one
+#: job holding one slot, so this bounds how long it holds it.
+MAX_EMBEDDING_REQUEST_TOKENS = 32768
+
+
+def normalize(vector: np.ndarray, mode: int) -> np.ndarray:
+    """llama.cpp's ``common_embd_normalize``.
+
+    -1: none; 0: max absolute, scaled to int16 range; 1: taxicab; 2:
+    Euclidean; >2: p-norm. A zero vector stays zero.
+    """
+    v = vector.astype(np.float64)
+    if mode < 0:
+        return vector
+    if mode == 0:
+        total = np.max(np.abs(v)) / 32760.0
+    elif mode == 2:
+        total = np.sqrt(np.sum(v * v))
+    else:
+        total = np.sum(np.abs(v) ** mode) ** (1.0 / mode)
+    if total <= 0:
+        return np.zeros_like(vector)
+    return (v / total).astype(np.float32)
+
+
+class Embedder:
+    """Pooled, normalised vectors for token lists, one input per decode.
+
+    Args:
+        llama: the generation ``Llama`` (its model's weights are shared).
+        prompts: its prompt builder, for bounded tokenising.
+        n_threads: threads for decode, as for generation.
+        batch_tokens: the largest input, in tokens.
+    """
+
+    def __init__(self, llama: llama_cpp.Llama, prompts: PromptBuilder, *,
+                 n_threads: int | None,
+                 batch_tokens: int = DEFAULT_EMBEDDING_BATCH_TOKENS) -> None:
+        self._llama = llama
+        self._prompts = prompts
+        self._n_threads = n_threads
+        self.batch_tokens = batch_tokens
+        self._ctx: _internals.LlamaContext | None = None
+        self._batch: _internals.LlamaBatch | None = None
+        self.n_embd = llama.n_embd()
+
+    def _context(self) -> _internals.LlamaContext:
+        if self._ctx is None:
+            params = llama_cpp.llama_context_default_params()
+            params.n_ctx = params.n_batch = params.n_ubatch = self.batch_tokens
+            params.n_seq_max = 1
+            params.embeddings = True
+            model_pooling = self._llama.pooling_type()
+            params.pooling_type = (
+                model_pooling if model_pooling > llama_cpp.LLAMA_POOLING_TYPE_NONE
+                and model_pooling != llama_cpp.LLAMA_POOLING_TYPE_RANK
+                else llama_cpp.LLAMA_POOLING_TYPE_MEAN)
+            threads = self._llama.context_params.n_threads
+            params.n_threads = params.n_threads_batch = self._n_threads or threads
+            self._ctx = _internals.LlamaContext(
+                model=self._llama._model, params=params, verbose=False)
+            self._batch = _internals.LlamaBatch(
+                n_tokens=self.batch_tokens, embd=0, n_seq_max=1, verbose=False)
+        return self._ctx
+
+    def tokens_of(self, i: int, item: EmbeddingInput,
+                  should_stop: Callable[[], bool]) -> list[int]:
+        """Input ``i``'s tokens, refused if empty or longer than the batch.
+
+        Text gets BOS and special tokens parsed, as llama.cpp's server
+        tokenises embedding inputs; it is tokenised with bounded work
+        (``workers.model.tokenizing``), stopping once past the batch.
+        """
+        if item.tokens is not None:
+            n_vocab = self._llama.n_vocab()
+            if not all(0 <= t < n_vocab for t in item.tokens):
+                raise RequestRejected(ErrorCode.INVALID_PROMPT_TOKENS,
+                                      f"input[{i}]: token ids must be in the "
+                                      "vocabulary")
+            tokens = item.tokens
+        else:
+            try:
+                tokens = self._prompts.tokenize_text(
+                    item.text, self.batch_tokens + 1, should_stop)
+            except PromptTooLong as exc:
+                raise self._too_large(i, f"at least {exc.at_least}") from None
+        if not tokens:
+            raise RequestRejected(ErrorCode.INVALID_PROMPT_TOKENS,
+                                  f"input[{i}]: Input content cannot be empty")
+        if len(tokens) > self.batch_tokens:
+            raise self._too_large(i, str(len(tokens)))
+        return tokens
+
+    def _too_large(self, i: int, counted: str) -> RequestRejected:
+        # llama.cpp's text (server-context.cpp), plus which input.
+        return RequestRejected(
+            ErrorCode.INPUT_TOO_LARGE,
+            f"input[{i}]: input ({counted} tokens) is too large to process. "
+            f"increase the physical batch size (current batch size: "
+            f"{self.batch_tokens})")
+
+    def vector(self, tokens: list[int], normalize_mode: int) -> np.ndarray:
+        """One input's pooled vector (``tokens`` fits ``batch_tokens``)."""
+        ctx = self._context()
+        batch = self._batch
+        ctx.kv_cache_clear()  # each input is its own sequence from position 0
+        batch.reset()
+        batch.add_sequence(tokens, 0, True)
+        ctx.decode(batch)
+        ptr = llama_cpp.llama_get_embeddings_seq(ctx.ctx, 0)
+        if not ptr:
+            raise RuntimeError("llama.cpp returned no pooled embedding")
+        raw = np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
+        return normalize(raw, normalize_mode)
+
+    def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
+        """Emit one frame per input, in order; refuse before any decode if an
+        input is empty or too large, so the client gets a 400."""
+        started = time.perf_counter()
+        if request.dimensions is not None and request.dimensions != self.n_embd:
+            raise RequestRejected(
+                ErrorCode.UNSUPPORTED_FIELD,
+                f"'dimensions' is not supported: this model's embeddings have "
+                f"{self.n_embd} dimensions and are not truncated")
+        try:
+            all_tokens = [self.tokens_of(i, item, sink.should_stop)
+                          for i, item in enumerate(request.inputs)]
+        except TokenizeCancelled:
+            return GenerationResult(
+                finish_reason="cancelled", prompt_tokens=0, completion_tokens=0,
+                cached_tokens=0, prompt_ms=(time.perf_counter() - started) * 1000,
+                predicted_ms=0.0)
+        total = sum(len(tokens) for tokens in all_tokens)
+        if total > MAX_EMBEDDING_REQUEST_TOKENS:
+            raise RequestRejected(
+                ErrorCode.INPUT_TOO_LARGE,
+                f"input: {total} tokens in all; one request may have at most "
+                f"{MAX_EMBEDDING_REQUEST_TOKENS}")
+        finish = "stop"
+        done_tokens = 0
+        for tokens in all_tokens:
+            if sink.should_stop():
+                finish = "cancelled"
+                break
+            vector = self.vector(tokens, request.embd_normalize)
+            if not sink.wait_for_credit():
+                finish = "cancelled"
+                break
+            sink.emit_embedding(vector.astype("<f4").tobytes(), len(tokens))
+            done_tokens += len(tokens)
+            elapsed = time.perf_counter() - started
+            # Input tokens embedded stand for tokens generated, so that the
+            # broker's Retry-After (remaining / speed) counts this job too.
+            sink.report_progress(total, done_tokens, total,
+                                 done_tokens / elapsed if elapsed > 0 else 0.0,
+                                 len(tokens))
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        return GenerationResult(
+            finish_reason=finish, prompt_tokens=done_tokens, completion_tokens=0,
+            cached_tokens=0, prompt_ms=elapsed_ms, predicted_ms=0.0)
