@@ -280,8 +280,9 @@ async def run_bench(config: BenchConfig, progress: TextIO | None = None) -> dict
     """Run the load and return the summary (see ``summarize``)."""
     results: list[RequestResult] = []
     issued = 0
-    started = time.perf_counter()
-    deadline = None if config.duration_s is None else started + config.duration_s
+    # Set once the client is built: making httpx's client (its SSL context)
+    # took over a second on a loaded machine, and a 1 s run then sent nothing.
+    started = deadline = None
 
     def take_turn() -> bool:
         nonlocal issued
@@ -311,6 +312,9 @@ async def run_bench(config: BenchConfig, progress: TextIO | None = None) -> dict
                           max_keepalive_connections=config.concurrency)
     timeout = httpx.Timeout(config.timeout_s, connect=min(10.0, config.timeout_s))
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        started = time.perf_counter()
+        if config.duration_s is not None:
+            deadline = started + config.duration_s
         drawer = asyncio.create_task(redraw()) if line else None
         try:
             await asyncio.gather(

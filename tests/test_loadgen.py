@@ -213,9 +213,11 @@ def test_bench_against_synthetic_pool(synthetic_pool):
     assert report["requests_completed"] == 4
     # The synthetic engine has no EOS: max_tokens always.
     assert report["output_tokens"] == 40
-    # Ten tokens at 100/s cannot take less than 0.1 s; the gaps are paced.
+    # Ten tokens at 100/s cannot take less than 0.1 s, however loaded the
+    # machine. (The gaps between tokens can: a delayed frontend sends a
+    # burst of queued frames.)
     assert report["latency_ms"]["p50"] >= 1000 * 10 / SYNTHETIC_TPS * 0.9
-    assert 0.5 * 1000 / SYNTHETIC_TPS <= report["itl_ms"]["p50"] <= 100
+    assert 0 <= report["itl_ms"]["p50"] <= report["latency_ms"]["p50"]
 
 
 def test_bench_duration_mode(synthetic_pool):

@@ -59,7 +59,11 @@ def pytest_terminal_summary(terminalreporter):
 def fault_pool(tiny_model, tmp_path_factory):
     """Broker + 2 workers + gunicorn; scenarios may kill and replace parts."""
     p = Pool(tiny_model, tmp_path_factory.mktemp("faults"), workers=2,
-             worker_args=("--stall-timeout-s", "3"))
+             # Long enough that a stream the tests pause on purpose (up to a
+             # few seconds on a loaded machine before its fault is injected)
+             # is still running when the fault comes; short enough for the
+             # slow-reader scenario to see it end.
+             worker_args=("--stall-timeout-s", "10"))
     yield p
     p.stop()
     assert all(not proc.alive() for proc in [p.broker, p.frontend, *p.workers]), \

@@ -180,12 +180,9 @@ def test_kill_gunicorn_worker_holding_two_streams(fault_pool):
     wait_until(lambda: httpx.post(pool.url + "/v1/completions", json={
         "prompt": "Hi", "max_tokens": 2}).status_code == 200, 30, "service again")
     record_releases(pool, fig, before)
-    # The broker cancelled the dead frontend's jobs. Only the second one's
-    # cancel is certain: the first stream has been paused since before the
-    # search for a second one on the same process, and on a loaded machine
-    # the workers' 3 s stall timeout may end it first (freeing its slot as
-    # well; record_recovery above proved both slots came back).
-    assert pool.status()["cancel_release_s"]["count"] >= before + 1
+    # The broker cancelled the dead frontend's jobs (the fault pool's stall
+    # timeout is long enough that neither ended on its own first).
+    assert pool.status()["cancel_release_s"]["count"] >= before + 2
 
 
 # 4 -----------------------------------------------------------------------------------
@@ -245,7 +242,7 @@ def test_broker_restart_under_load(fault_pool):
 
 def test_slow_reader_pauses_then_is_cancelled(fault_pool):
     """One byte per 100 ms: generation pauses (bounded buffers), then the
-    stall timeout (3 s here) ends the job and frees the slot."""
+    stall timeout (10 s here) ends the job and frees the slot."""
     pool, fig = fault_pool, figures("5. slow reader (1 byte / 100 ms)")
     stream = RawStream(pool.port, {**LONG, "max_tokens": 2040})
     slot_id = int(stream.header("X-Slot-Id"))
