@@ -22,6 +22,7 @@ from frontend.errors import (
     write_error,
 )
 from frontend.generation import collect, start_job
+from frontend.native_api import add_native_routes
 from frontend.openai_format import ResponseShaper
 from frontend.prompt_gate import PromptGate
 from frontend.request_body import read_json_body
@@ -296,6 +297,7 @@ def create_app(
         app.add_route(f"{prefix}/chat/completions", chat)
         app.add_route(f"{prefix}/models", models)
         app.add_route(f"{prefix}/health", health)
+    add_native_routes(app, link, settings, gate)
     app.add_route("/slots", SlotsResource(link, settings))
     app.add_route("/metrics", MetricsResource(link, settings))
     add_page_routes(app)

@@ -7,6 +7,7 @@ import time
 
 from frontend.errors import http_form
 from frontend.logprob_format import CompletionLogprobs, chat_logprobs
+from protocol import messages
 from protocol.payloads import Timings, TokenLogprob, Usage
 
 
@@ -84,6 +85,15 @@ class ResponseShaper:
         if self.include_usage:
             out += self._chunk([], usage=usage.public())
         return out + b"data: [DONE]\n\n"
+
+    def text_frame_event(self, msg: messages.Token) -> bytes:
+        """The event for a job's TOKEN frame (``frontend.sse``)."""
+        return self.text_event(msg.text, msg.logprobs)
+
+    def final_frame_events(self, msg: messages.Final) -> bytes:
+        """The events for a job's FINAL frame (``frontend.sse``)."""
+        return self.final_events(msg.text, msg.finish_reason, msg.usage,
+                                 msg.timings, msg.logprobs)
 
     @staticmethod
     def error_event(code: str, message: str) -> bytes:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from frontend.job import Job
 from frontend.lease import LeaseEnding
+from frontend.native_format import NativeShaper
 from frontend.openai_format import ResponseShaper
 from protocol import messages
 
@@ -24,7 +25,7 @@ from protocol import messages
 class EventStreamBody:
     """Yields SSE events for one job until its terminal frame."""
 
-    def __init__(self, job: Job, shaper: ResponseShaper) -> None:
+    def __init__(self, job: Job, shaper: ResponseShaper | NativeShaper) -> None:
         self._job = job
         self._shaper = shaper
         self.outcome = job.outcome
@@ -39,13 +40,10 @@ class EventStreamBody:
         try:
             msg = self._job.next_frame()
             if isinstance(msg, messages.Token):
-                return self._shaper.text_event(msg.text, msg.logprobs)
+                return self._shaper.text_frame_event(msg)
             self._done = True
             if isinstance(msg, messages.Final):
-                return self._shaper.final_events(
-                    msg.text, msg.finish_reason, msg.usage, msg.timings,
-                    msg.logprobs,
-                )
+                return self._shaper.final_frame_events(msg)
             return self._shaper.error_event(msg.code, msg.message)
         except BaseException:
             # Failed here, not at the worker: the job may still be running.

@@ -112,7 +112,7 @@ class Sampling(WireRecord):
              messages=ListOf(ChatMessage), max_tokens=Optional(_INT),
              sampling=Sampling, stop=ListOf(_STR),
              prompt_tokens=Optional(ListOf(_INT)), extra_stops=ListOf(_STR),
-             grammar=_STR, logprobs=Optional(_INT))
+             grammar=_STR, logprobs=Optional(_INT), cache_prompt=_BOOL)
 class GenerationRequest(WireRecord):
     """One generation, as validated at the HTTP door (``frontend.openai_schema``).
 
@@ -138,6 +138,9 @@ class GenerationRequest(WireRecord):
     #: None: no log-probabilities. N: each generated token's log-probability
     #: and its N most likely alternatives (0 to ``MAX_TOP_LOGPROBS``).
     logprobs: int | None = None
+    #: False (llama.cpp's native ``cache_prompt``): evaluate the whole prompt,
+    #: reusing nothing the worker's KV cache holds.
+    cache_prompt: bool = True
 
 
 # --- log-probabilities of generated tokens (TOKEN, FINAL) -------------------------

@@ -139,7 +139,7 @@ class LlamaEngine:
                   prompt: list[int], extra_stops: list[str], max_tokens: int,
                   logits: RequestLogits, started: float) -> GenerationResult:
         sampling = request.sampling
-        plan = kv_cache.plan_reuse(self.llama, prompt)
+        plan = kv_cache.plan_reuse(self.llama, prompt, request.cache_prompt)
         grammar, logprobs = logits.grammar, logits.logprobs
 
         detok = IncrementalDetokenizer(self._vocab)
@@ -213,6 +213,7 @@ class LlamaEngine:
             predicted_ms=(ended - first_token_at) * 1000,
             tail_text=tail,
             tail_logprobs=tail_logprobs,
+            stopping_word=output.stopper.matched,
         )
 
     def _tokenize_bias(self, text: str) -> list[int]:
