@@ -43,7 +43,7 @@ from frontend.native_schema import (
 from frontend.prompt_gate import PromptGate
 from frontend.request_body import read_json_body
 from frontend.settings import FrontendSettings
-from frontend.sse import EventStreamBody
+from frontend.sse import EventStreamBody, tune_stream_socket
 from protocol.payloads import Sampling
 
 
@@ -206,6 +206,7 @@ class NativeCompletionResource:
             text, final, entries = collect(job)
             resp.media = shaper.whole(text, final, entries)
             return
+        tune_stream_socket(req, s.stream_sndbuf_bytes)
         # From here on the body owns the job, and with it the lease.
         resp.content_type = "text/event-stream"
         resp.set_header("Cache-Control", "no-cache")

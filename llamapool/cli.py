@@ -243,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("make-test-model", help="write the tiny test GGUF")
     model.add_argument("path")
+    model.add_argument("--fim", action="store_true",
+                       help="with fill-in-the-middle tokens (for /infill)")
     _add_bench_parser(sub)
     curve_cli.add_keygen_parser(sub)
     return parser
@@ -370,7 +372,7 @@ def run_make_test_model(args: argparse.Namespace) -> int:
     from llamapool.test_model import write_test_model
 
     try:
-        write_test_model(args.path)
+        write_test_model(args.path, fim=args.fim)
     except ModuleNotFoundError as exc:
         print(f"llamapool make-test-model needs {exc.name}: "
               "pip install 'llamapool[test]'", file=sys.stderr)

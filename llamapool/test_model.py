@@ -41,7 +41,12 @@ _WORDS = (
 _PUNCT = list(".,!?;:'\"-()")
 
 
-def _vocab() -> tuple[list[str], list[float], list[int]]:
+#: Fill-in-the-middle tokens a model written with ``fim=True`` has (after
+#: the chat tokens), in llama.cpp's order: prefix, suffix, middle.
+FIM_PIECES = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+def _vocab(fim: bool = False) -> tuple[list[str], list[float], list[int]]:
     from gguf import TokenType
 
     """Build the SPM vocabulary.
@@ -73,6 +78,9 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
 
     pieces += ["<|im_start|>", "<|im_end|>"]
     types += [TokenType.CONTROL, TokenType.CONTROL]
+    if fim:
+        pieces += list(FIM_PIECES)
+        types += [TokenType.CONTROL] * len(FIM_PIECES)
 
     # Longer pieces score higher so that whole words win over fragments;
     # non-normal tokens get 0 like sentencepiece exports.
@@ -83,7 +91,8 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     return pieces, scores, [int(t) for t in types]
 
 
-def write_test_model(path: str | os.PathLike[str], *, seed: int = 0) -> None:
+def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
+                     fim: bool = False) -> None:
     """Write a tiny random-weight llama GGUF (F32, ~0.5 MB).
 
     2 layers, 64 dims, 4 heads (2 KV heads), FFN 128, context length 2048,
@@ -93,12 +102,14 @@ def write_test_model(path: str | os.PathLike[str], *, seed: int = 0) -> None:
     Args:
         path: Destination file; overwritten if it exists.
         seed: Seed for the weights; same seed gives a byte-identical file.
+        fim: Also give it fill-in-the-middle tokens (``FIM_PIECES``), for
+            ``/infill``; the default model has none, like most chat models.
     """
     # Imported here: gguf and numpy are test dependencies, not the server's.
     import numpy as np
     from gguf import GGUFWriter, LlamaFileType
 
-    pieces, scores, types = _vocab()
+    pieces, scores, types = _vocab(fim)
     n_vocab = len(pieces)
     im_end_id = pieces.index("<|im_end|>")
     head_dim = N_EMBD // N_HEAD
@@ -175,6 +186,12 @@ def write_test_model(path: str | os.PathLike[str], *, seed: int = 0) -> None:
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+    if fim:
+        from gguf import Keys
+
+        for key, piece in zip((Keys.Tokenizer.FIM_PRE_ID, Keys.Tokenizer.FIM_SUF_ID,
+                               Keys.Tokenizer.FIM_MID_ID), FIM_PIECES, strict=True):
+            writer.add_uint32(key, pieces.index(piece))
 
     for name, data in tensors.items():
         writer.add_tensor(name, data)
