@@ -28,9 +28,10 @@ ALLOWED = {
 #: the same collector the broker's own /metrics uses, the prompt gate
 #: counts tokens with the workers' own prompt builder, and a JSON schema or
 #: grammar is converted and checked with the workers' own grammar code, so
-#: the two never differ.
+#: the two never differ; an infill prompt is laid out next to the prompt
+#: builder whose tokenizer it uses (the native ``/infill``).
 FRONTEND_USES_WORKERS = {"workers.broker.metrics", "workers.model.prompting",
-                         "workers.model.grammar"}
+                         "workers.model.grammar", "workers.model.infill"}
 
 
 def package_of(path: Path) -> str:
