@@ -61,10 +61,6 @@ NO_VOCAB = ("this frontend has no model file to read the vocabulary from: start 
             "it with --model PATH (LLAMAPOOL_TOKENIZER_MODEL)")
 
 
-NO_FIM = ("Infill is not supported by this model: prefix token is missing. "
-          "suffix token is missing. middle token is missing.")
-
-
 def _builder(gate: PromptGate | None):
     if gate is None:
         raise NotSupported(NO_VOCAB)
@@ -150,14 +146,21 @@ class NativeCompletionResource:
         return dataclasses.replace(parsed, generation=generation), len(tokens), text
 
     def _infill_tokens(self, parsed: NativeRequest, body: dict) -> list[int]:
-        from workers.model.infill import ExtraChunk, NoFimTokens, infill_tokens
+        from workers.model.infill import (
+            ExtraChunk,
+            NoFimTokens,
+            fim_problem,
+            infill_tokens,
+        )
         from workers.model.prompting import PromptTooLong
 
         builder = _builder(self.gate)
-        if builder.fim_tokens() is None:
-            # llama.cpp's words; it answers 501, the pool 400 (issue 11): the
-            # server implements infill, this model cannot do it.
-            raise BadRequest(NO_FIM, param="model", code="infill_not_supported")
+        problem = fim_problem(builder)
+        if problem is not None:
+            # llama.cpp's words, checked before the infill fields as there; it
+            # answers 501, the pool 400 (issue 11): the server implements
+            # infill, this model cannot do it.
+            raise BadRequest(problem, param="model", code="infill_not_supported")
         given = parse_infill_input(body)
         if not isinstance(parsed.prompt, str):
             raise BadRequest('"prompt" must be a string', param="prompt")
@@ -166,8 +169,8 @@ class NativeCompletionResource:
                 builder, given.prefix, given.suffix, parsed.prompt,
                 [ExtraChunk(text, name) for text, name in given.extra],
                 limit=self.settings.n_ctx)
-        except NoFimTokens:
-            raise BadRequest(NO_FIM, param="model",
+        except NoFimTokens as exc:
+            raise BadRequest(str(exc), param="model",
                              code="infill_not_supported") from None
         except PromptTooLong as exc:
             raise BadRequest(str(exc), param="input_prefix",

@@ -58,8 +58,11 @@ from protocol.records import (
 #: Protocol name and version. Bump the digits on any breaking change
 #: (03: FINAL's usage and timings are typed arrays, no longer maps; 04: a
 #: request's grammar, logit_bias and logprobs, which a worker of 03 would
-#: drop as unknown trailing fields and so silently ignore).
-PROTOCOL_HEADER = b"LLAMAPOOL04"
+#: drop as unknown trailing fields and so silently ignore; 05: a request's
+#: ``cache_prompt``, SUBMIT's ``id_slot`` and FINAL's ``stopping_word``: a
+#: broker of 04 would lease any slot for an ``id_slot``, a worker of 04 reuse
+#: the cache for ``cache_prompt: false``).
+PROTOCOL_HEADER = b"LLAMAPOOL05"
 
 #: Largest body any command accepts (a STATUS reply); each command has its
 #: own, smaller or equal, ceiling (``Message.LIMITS``).

@@ -212,4 +212,4 @@ def test_error_frames_carry_no_status_on_the_wire():
     msg = messages.Error("j", ErrorCode.CLIENT_STALLED, "m")
     assert messages.decode(msg.to_wire()) == msg
     assert list(messages.Error.FIELD_TYPES) == ["job_id", "code", "message"]
-    assert messages.PROTOCOL_HEADER == b"LLAMAPOOL04"
+    assert messages.PROTOCOL_HEADER == b"LLAMAPOOL05"

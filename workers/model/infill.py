@@ -23,7 +23,15 @@ CHUNK_SEPARATOR = "\n\n--- snippet ---\n\n"
 
 
 class NoFimTokens(ValueError):
-    """The model has no fill-in-the-middle tokens."""
+    """The model lacks a fill-in-the-middle token infill needs."""
+
+
+def fim_problem(builder: PromptBuilder) -> str | None:
+    """Why the model cannot do infill, in llama.cpp's words; None if it can."""
+    pre, suf, mid, _, _ = builder.fim_tokens()
+    missing = "".join(f"{name} token is missing. " for name, token in (
+        ("prefix", pre), ("suffix", suf), ("middle", mid)) if token < 0)
+    return f"Infill is not supported by this model: {missing}" if missing else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +51,10 @@ def infill_tokens(builder: PromptBuilder, prefix: str, suffix: str, prompt: str,
         PromptTooLong: a piece alone reaches ``limit`` tokens (the caller
             checks the total).
     """
-    fim = builder.fim_tokens()
-    if fim is None:
-        raise NoFimTokens("Infill is not supported by this model: it has no "
-                          "FIM prefix, suffix or middle token")
-    pre, suf, mid, rep, sep = fim
+    problem = fim_problem(builder)
+    if problem is not None:
+        raise NoFimTokens(problem)
+    pre, suf, mid, rep, sep = builder.fim_tokens()
 
     def text(t: str) -> list[int]:
         return builder.tokenize_text(t, add_special=False, parse_special=False,

@@ -109,17 +109,14 @@ class PromptBuilder:
         return "" if token < 0 else self.pieces([token])[0].decode("utf-8",
                                                                     "replace")
 
-    def fim_tokens(self) -> tuple[int, int, int, int, int] | None:
-        """The model's fill-in-the-middle tokens (prefix, suffix, middle,
-        repo, file separator; the last two -1 when absent), or None if it has
-        no prefix, suffix or middle token."""
+    def fim_tokens(self) -> tuple[int, int, int, int, int]:
+        """The model's fill-in-the-middle tokens: prefix, suffix, middle,
+        repo and file separator (-1 for each the model lacks)."""
         vocab = self.llama._model.vocab
-        pre, suf, mid = (llama_cpp.llama_vocab_fim_pre(vocab),
-                         llama_cpp.llama_vocab_fim_suf(vocab),
-                         llama_cpp.llama_vocab_fim_mid(vocab))
-        if min(pre, suf, mid) < 0:
-            return None
-        return (pre, suf, mid, llama_cpp.llama_vocab_fim_rep(vocab),
+        return (llama_cpp.llama_vocab_fim_pre(vocab),
+                llama_cpp.llama_vocab_fim_suf(vocab),
+                llama_cpp.llama_vocab_fim_mid(vocab),
+                llama_cpp.llama_vocab_fim_rep(vocab),
                 llama_cpp.llama_vocab_fim_sep(vocab))
 
     def adds_bos(self) -> bool:
