@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import uuid
 
 import falcon
@@ -25,12 +24,13 @@ from frontend.errors import (
     write_error,
 )
 from frontend.generation import collect, start_job
+from frontend.native_api import add_native_routes
 from frontend.openai_format import ResponseShaper
 from frontend.prompt_gate import PromptGate
 from frontend.request_body import read_json_body
 from frontend.request_log import RequestLogMiddleware
 from frontend.settings import FrontendSettings
-from frontend.sse import EventStreamBody
+from frontend.sse import EventStreamBody, tune_stream_socket
 from frontend.web_page import add_page_routes
 from protocol.broker_list import split_endpoints
 from protocol.curve import client_keys
@@ -49,29 +49,6 @@ class RequestIdMiddleware:
             incoming if incoming and _REQUEST_ID.match(incoming) else uuid.uuid4().hex
         )
         resp.set_header("X-Request-Id", req.context.request_id)
-
-
-def tune_stream_socket(req: falcon.Request, sndbuf_bytes: int) -> None:
-    """Make a streaming connection send each event at once, and buffer little.
-
-    * ``TCP_NODELAY``: gunicorn writes the headers and each event separately.
-      With Nagle's algorithm a small write waits for the ACK of the previous
-      one, which the client delays (up to 40 ms): the first token would
-      arrive 40 ms late, and later ones bunched.
-    * ``SO_SNDBUF``: credit-based flow control only sees a slow client once
-      writes block. Linux's send-buffer autotuning can let a loopback or LAN
-      socket absorb megabytes first; capping it makes a client that stops
-      reading pause its worker after a bounded amount of output.
-    """
-    sock = req.env.get("gunicorn.socket")
-    if sock is None:
-        return  # not under gunicorn (in-process tests): nothing to tune
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if sndbuf_bytes > 0:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf_bytes)
-    except OSError:
-        pass  # a Unix socket (behind a local proxy): no TCP options to set
 
 
 class GenerationResource:
@@ -323,6 +300,7 @@ def create_app(
     native_embeddings = EmbeddingsResource(link, settings, native=True)
     app.add_route("/embeddings", native_embeddings)
     app.add_route("/embedding", native_embeddings)  # llama.cpp's older name
+    add_native_routes(app, link, settings, gate)
     app.add_route("/slots", SlotsResource(link, settings))
     app.add_route("/metrics", MetricsResource(link, settings))
     add_page_routes(app)

@@ -122,7 +122,8 @@ class BrokerLink(LinkHandler):
         self._conn.send(msg)
 
     def submit(self, job_id: str, request: GenerationRequest,
-               prefix_blocks: list[int] | None = None) -> JobStream:
+               prefix_blocks: list[int] | None = None,
+               id_slot: int = -1) -> JobStream:
         """Open the job's stream, then send SUBMIT (so no frame can be missed).
 
         Raises:
@@ -130,7 +131,7 @@ class BrokerLink(LinkHandler):
                 (``protocol.limits.MAX_SUBMIT_BYTES``).
         """
         self.start()
-        msg = messages.Submit(job_id, request, prefix_blocks or [])
+        msg = messages.Submit(job_id, request, prefix_blocks or [], id_slot)
         size = len(msg.to_wire()[2])
         if size > messages.Submit.LIMITS.max_bytes:
             # The broker would drop it as malformed and the client would wait

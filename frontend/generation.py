@@ -33,8 +33,11 @@ def start_job(
     credit_batch_frames: int,
     outcome: JobOutcome | None = None,
     on_release: Callable[[SlotLease], None] | None = None,
+    id_slot: int = -1,
 ) -> Job:
     """Submit ``generation`` and wait for its first frame.
+
+    ``id_slot`` other than -1 asks the broker for that one slot.
 
     Raises:
         NoSlotAvailable: the broker refused (every slot busy).
@@ -46,7 +49,7 @@ def start_job(
     try:
         tokens = generation.prompt_tokens
         stream = link.submit(lease.job_id, generation,
-                             prefix_blocks(tokens) if tokens else None)
+                             prefix_blocks(tokens) if tokens else None, id_slot)
         job = Job(lease, stream, send=link.send, frame_timeout_s=frame_timeout_s,
                   credit_batch_frames=credit_batch_frames,
                   outcome=outcome or JobOutcome())

@@ -11,6 +11,7 @@ import time
 from frontend.errors import http_form
 from frontend.logprob_format import CompletionLogprobs, chat_logprobs
 from frontend.tool_calls import split_calls
+from protocol import messages
 from protocol.payloads import Timings, TokenLogprob, Usage
 
 
@@ -171,6 +172,15 @@ class ResponseShaper:
         if self.include_usage:
             out += self._chunk([], usage=usage.public(), timings=public)
         return out + b"data: [DONE]\n\n"
+
+    def text_frame_event(self, msg: messages.Token) -> bytes:
+        """The event for a job's TOKEN frame (``frontend.sse``)."""
+        return self.text_event(msg.text, msg.logprobs, msg.timings)
+
+    def final_frame_events(self, msg: messages.Final) -> bytes:
+        """The events for a job's FINAL frame (``frontend.sse``)."""
+        return self.final_events(msg.text, msg.finish_reason, msg.usage,
+                                 msg.timings, msg.logprobs)
 
     @staticmethod
     def error_event(code: str, message: str) -> bytes:

@@ -29,6 +29,11 @@ class PromptGate:
     def load(self) -> None:
         self._prompts()
 
+    def builder(self):
+        """The vocabulary-only ``PromptBuilder`` (the native tokenizer and
+        template endpoints use it: ``frontend.native_api``)."""
+        return self._prompts()
+
     def _prompts(self):
         # Loaded on first use, after gunicorn's fork, once per process.
         if self._builder is None:

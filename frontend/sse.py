@@ -15,8 +15,13 @@ client that stops reading stops the credit, and the worker pauses
 
 from __future__ import annotations
 
+import socket
+
+import falcon
+
 from frontend.job import Job
 from frontend.lease import LeaseEnding
+from frontend.native_format import NativeShaper
 from frontend.openai_format import ResponseShaper
 from protocol import messages
 
@@ -24,7 +29,7 @@ from protocol import messages
 class EventStreamBody:
     """Yields SSE events for one job until its terminal frame."""
 
-    def __init__(self, job: Job, shaper: ResponseShaper) -> None:
+    def __init__(self, job: Job, shaper: ResponseShaper | NativeShaper) -> None:
         self._job = job
         self._shaper = shaper
         self.outcome = job.outcome
@@ -39,14 +44,10 @@ class EventStreamBody:
         try:
             msg = self._job.next_frame()
             if isinstance(msg, messages.Token):
-                return self._shaper.text_event(msg.text, msg.logprobs,
-                                               msg.timings)
+                return self._shaper.text_frame_event(msg)
             self._done = True
             if isinstance(msg, messages.Final):
-                return self._shaper.final_events(
-                    msg.text, msg.finish_reason, msg.usage, msg.timings,
-                    msg.logprobs,
-                )
+                return self._shaper.final_frame_events(msg)
             return self._shaper.error_event(msg.code, msg.message)
         except BaseException:
             # Failed here, not at the worker: the job may still be running.
@@ -63,3 +64,26 @@ class EventStreamBody:
         job = getattr(self, "_job", None)
         if job is not None:
             job.end(LeaseEnding.GC)
+
+
+def tune_stream_socket(req: falcon.Request, sndbuf_bytes: int) -> None:
+    """Make a streaming connection send each event at once, and buffer little.
+
+    * ``TCP_NODELAY``: gunicorn writes the headers and each event separately.
+      With Nagle's algorithm a small write waits for the ACK of the previous
+      one, which the client delays (up to 40 ms): the first token would
+      arrive 40 ms late, and later ones bunched.
+    * ``SO_SNDBUF``: credit-based flow control only sees a slow client once
+      writes block. Linux's send-buffer autotuning can let a loopback or LAN
+      socket absorb megabytes first; capping it makes a client that stops
+      reading pause its worker after a bounded amount of output.
+    """
+    sock = req.env.get("gunicorn.socket")
+    if sock is None:
+        return  # not under gunicorn (in-process tests): nothing to tune
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sndbuf_bytes > 0:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf_bytes)
+    except OSError:
+        pass  # a Unix socket (behind a local proxy): no TCP options to set

@@ -273,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("path")
     model.add_argument("--tools-template", action="store_true",
                        help="a chat template that renders tools")
+    model.add_argument("--fim", action="store_true",
+                       help="with fill-in-the-middle tokens (for /infill)")
     _add_bench_parser(sub)
     curve_cli.add_keygen_parser(sub)
     return parser
@@ -400,12 +402,11 @@ def run_make_test_model(args: argparse.Namespace) -> int:
     from llamapool.test_model import write_test_model
 
     try:
-        if args.tools_template:
-            from llamapool.test_model import TOOLS_CHAT_TEMPLATE
+        from llamapool.test_model import TOOLS_CHAT_TEMPLATE
 
-            write_test_model(args.path, chat_template=TOOLS_CHAT_TEMPLATE)
-        else:
-            write_test_model(args.path)
+        write_test_model(
+            args.path, fim=args.fim,
+            **({"chat_template": TOOLS_CHAT_TEMPLATE} if args.tools_template else {}))
     except ModuleNotFoundError as exc:
         print(f"llamapool make-test-model needs {exc.name}: "
               "pip install 'llamapool[test]'", file=sys.stderr)

@@ -57,7 +57,12 @@ _WORDS = (
 _PUNCT = list(".,!?;:'\"-()")
 
 
-def _vocab() -> tuple[list[str], list[float], list[int]]:
+#: Fill-in-the-middle tokens a model written with ``fim=True`` has (after
+#: the chat tokens), in llama.cpp's order: prefix, suffix, middle.
+FIM_PIECES = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+def _vocab(fim: bool = False) -> tuple[list[str], list[float], list[int]]:
     from gguf import TokenType
 
     """Build the SPM vocabulary.
@@ -89,6 +94,9 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
 
     pieces += ["<|im_start|>", "<|im_end|>"]
     types += [TokenType.CONTROL, TokenType.CONTROL]
+    if fim:
+        pieces += list(FIM_PIECES)
+        types += [TokenType.CONTROL] * len(FIM_PIECES)
 
     # Longer pieces score higher so that whole words win over fragments;
     # non-normal tokens get 0 like sentencepiece exports.
@@ -100,7 +108,7 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
 
 
 def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
-                     chat_template: str = CHAT_TEMPLATE) -> None:
+                     chat_template: str = CHAT_TEMPLATE, fim: bool = False) -> None:
     """Write a tiny random-weight llama GGUF (F32, ~0.5 MB).
 
     2 layers, 64 dims, 4 heads (2 KV heads), FFN 128, context length 2048,
@@ -112,12 +120,14 @@ def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
         seed: Seed for the weights; same seed gives a byte-identical file.
         chat_template: ``tokenizer.chat_template`` (``TOOLS_CHAT_TEMPLATE``:
             one that renders tools).
+        fim: Also give it fill-in-the-middle tokens (``FIM_PIECES``), for
+            ``/infill``; the default model has none, like most chat models.
     """
     # Imported here: gguf and numpy are test dependencies, not the server's.
     import numpy as np
     from gguf import GGUFWriter, LlamaFileType
 
-    pieces, scores, types = _vocab()
+    pieces, scores, types = _vocab(fim)
     n_vocab = len(pieces)
     im_end_id = pieces.index("<|im_end|>")
     head_dim = N_EMBD // N_HEAD
@@ -194,6 +204,12 @@ def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_chat_template(chat_template)
+    if fim:
+        from gguf import Keys
+
+        for key, piece in zip((Keys.Tokenizer.FIM_PRE_ID, Keys.Tokenizer.FIM_SUF_ID,
+                               Keys.Tokenizer.FIM_MID_ID), FIM_PIECES, strict=True):
+            writer.add_uint32(key, pieces.index(piece))
 
     for name, data in tensors.items():
         writer.add_tensor(name, data)

@@ -38,6 +38,7 @@ class ErrorCode(str, enum.Enum):
     WORKER_BUSY = "worker_busy"  # the broker sent a job to a busy worker
     # The broker ended the job.
     DUPLICATE_JOB = "duplicate_job"
+    INVALID_SLOT = "invalid_slot"  # ``id_slot`` names no slot in the ledger
     WORKER_DIED = "worker_died"
     WORKER_RESTARTED = "worker_restarted"
     # The worker sent a frame for the job that does not decode (a broken or

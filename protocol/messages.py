@@ -60,7 +60,11 @@ from protocol.records import (
 #: (03: FINAL's usage and timings are typed arrays, no longer maps; 04: a
 #: request's grammar, logit_bias and logprobs, which a worker of 03 would
 #: drop as unknown trailing fields and so silently ignore; 05: a request's
-#: timings_per_token, and ERROR's prompt and context sizes).
+#: timings_per_token, tools, embedding inputs and cache_prompt, SUBMIT's
+#: id_slot, TOKEN's timings and embedding, FINAL's stopping_word, ERROR's
+#: prompt and context sizes, THREADS and THREADS_SET: a peer of 04 would drop
+#: these trailing fields, e.g. lease any slot for an ``id_slot`` or reuse the
+#: cache for ``cache_prompt: false``).
 PROTOCOL_HEADER = b"LLAMAPOOL05"
 
 #: Largest body any command accepts (a STATUS reply); each command has its
@@ -195,7 +199,7 @@ class Disconnect(Message):
 
 
 @_register(0x10, limits.SUBMIT, job_id=_ID, request=GenerationRequest,
-           prefix_blocks=ListOf(_INT))
+           prefix_blocks=ListOf(_INT), id_slot=_INT)
 class Submit(Message):
     """Frontend -> broker -> worker: run one generation.
 
@@ -205,11 +209,14 @@ class Submit(Message):
     ``prefix_blocks`` are running hashes of the prompt's tokens, one per
     block (``protocol.prefix``); the broker routes to the idle worker whose
     KV cache already holds the longest run of them.
+    ``id_slot`` (llama.cpp's native field): -1 lets the broker choose; any
+    other value is the one slot (as ``/slots`` numbers them) the job must get.
     """
 
     job_id: str
     request: GenerationRequest
     prefix_blocks: list[int] = dataclasses.field(default_factory=list)
+    id_slot: int = -1
 
 
 @_register(0x11, job_id=_STR, slot_id=_INT, model=_STR)
@@ -274,7 +281,7 @@ FINISH_REASONS = ("stop", "length", "cancelled")
 
 @_register(0x16, limits.JOB_FRAME, job_id=_STR,
            finish_reason=OneOf(*FINISH_REASONS), usage=Usage, timings=Timings,
-           text=_STR, logprobs=ListOf(TokenLogprob))
+           text=_STR, logprobs=ListOf(TokenLogprob), stopping_word=_STR)
 class Final(Message):
     """Terminal frame: the job ended with ``finish_reason``.
 
@@ -282,7 +289,8 @@ class Final(Message):
     field: the frontend puts them into the client's JSON and the broker sums
     them into the pool's counters. ``text`` is output that was held back (a
     possible stop-string prefix) and is released at the end; ``logprobs``
-    are the entries of its tokens.
+    are the entries of its tokens. ``stopping_word`` is the stop string that
+    ended the job ("" if none did), for llama.cpp's native ``stop_type``.
     """
 
     job_id: str
@@ -291,6 +299,7 @@ class Final(Message):
     timings: Timings
     text: str = ""
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    stopping_word: str = ""
 
 
 @_register(0x17, limits.JOB_FRAME, job_id=_STR, code=_STR, message=_REASON,

@@ -125,7 +125,7 @@ class EmbeddingInput(WireRecord):
              prompt_tokens=Optional(ListOf(_INT)), extra_stops=ListOf(_STR),
              grammar=_STR, logprobs=Optional(_INT), timings_per_token=_BOOL,
              tools=_STR, inputs=ListOf(EmbeddingInput), embd_normalize=_INT,
-             dimensions=Optional(_INT))
+             dimensions=Optional(_INT), cache_prompt=_BOOL)
 class GenerationRequest(WireRecord):
     """One generation, as validated at the HTTP door (``frontend.openai_schema``).
 
@@ -166,6 +166,9 @@ class GenerationRequest(WireRecord):
     #: ``dimensions``); None: the model's. Vectors are never truncated, so
     #: the worker refuses any other size before it computes anything.
     dimensions: int | None = None
+    #: False (llama.cpp's native ``cache_prompt``): evaluate the whole prompt,
+    #: reusing nothing the worker's KV cache holds.
+    cache_prompt: bool = True
 
 
 # --- log-probabilities of generated tokens (TOKEN, FINAL) -------------------------

@@ -29,9 +29,10 @@ ALLOWED = {
 #: ``llamacpp:*`` series by the broker's renderer), the prompt gate
 #: counts tokens with the workers' own prompt builder, and a JSON schema or
 #: grammar is converted and checked with the workers' own grammar code, so
-#: the two never differ.
+#: the two never differ; an infill prompt is laid out next to the prompt
+#: builder whose tokenizer it uses (the native ``/infill``).
 FRONTEND_USES_WORKERS = {"workers.broker.metrics", "workers.model.prompting",
-                         "workers.model.grammar",
+                         "workers.model.grammar", "workers.model.infill",
                          "workers.broker.llamacpp_metrics"}
 
 

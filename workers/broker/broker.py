@@ -396,8 +396,18 @@ class Broker:
                 messages.Error(msg.job_id, ErrorCode.DUPLICATE_JOB, "duplicate job id"),
             )
             return
-        slot = self.ledger.assign(msg.job_id, ident, now,
-                                  msg.prefix_blocks[:MAX_BLOCKS])
+        if msg.id_slot == -1:
+            slot = self.ledger.assign(msg.job_id, ident, now,
+                                      msg.prefix_blocks[:MAX_BLOCKS])
+        else:
+            try:
+                slot = self.ledger.assign_slot(msg.id_slot, msg.job_id, ident, now,
+                                               msg.prefix_blocks[:MAX_BLOCKS])
+            except KeyError:
+                # llama.cpp's words for a slot it does not have.
+                self._to_frontend(ident, messages.Error(
+                    msg.job_id, ErrorCode.INVALID_SLOT, "Invalid slot ID"))
+                return
         if slot is not None and slot.shared_blocks_at_assign:
             self.counters["routed_by_prefix"] += 1
         if slot is None:

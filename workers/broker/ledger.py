@@ -198,6 +198,27 @@ class Ledger:
         blocks = prefix_blocks or []
         slot = min(idle, key=lambda w: (-shared_blocks(w.cached_blocks, blocks),
                                         w.idle_since))
+        return self._lease(slot, job_id, frontend, now, blocks)
+
+    def assign_slot(self, slot_id: int, job_id: str, frontend: bytes, now: float,
+                    prefix_blocks: list | None = None) -> WorkerSlot | None:
+        """Give the job exactly slot ``slot_id`` (llama.cpp's ``id_slot``), or
+        None if that slot is busy, draining or loading.
+
+        Raises:
+            KeyError: no slot has that id.
+        """
+        if job_id in self.jobs:
+            raise ValueError(f"duplicate job id {job_id!r}")
+        slot = next((w for w in self.workers.values() if w.slot_id == slot_id), None)
+        if slot is None:
+            raise KeyError(slot_id)
+        if slot.state != IDLE or slot.draining:
+            return None
+        return self._lease(slot, job_id, frontend, now, prefix_blocks or [])
+
+    def _lease(self, slot: WorkerSlot, job_id: str, frontend: bytes, now: float,
+               blocks: list) -> WorkerSlot:
         slot.shared_blocks_at_assign = shared_blocks(slot.cached_blocks, blocks)
         slot.cached_blocks = blocks
         slot.state = BUSY

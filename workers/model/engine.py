@@ -183,6 +183,8 @@ class GenerationResult:
     tail_text: str = ""  # held-back text released at the end
     #: Log-probability entries of the tail's tokens.
     tail_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    #: The stop string that ended generation ("" if none did).
+    stopping_word: str = ""
 
     def usage(self) -> Usage:
         return Usage(

@@ -81,7 +81,8 @@ def reusable_prefix(llama: llama_cpp.Llama, prompt: Sequence[int]) -> int:
     return keep
 
 
-def plan_reuse(llama: llama_cpp.Llama, prompt: Sequence[int]) -> ReusePlan:
+def plan_reuse(llama: llama_cpp.Llama, prompt: Sequence[int],
+               reuse: bool = True) -> ReusePlan:
     """Trim the KV cache to the longest reusable prefix of ``prompt``.
 
     Call right before ``generate``; afterwards run
@@ -91,6 +92,8 @@ def plan_reuse(llama: llama_cpp.Llama, prompt: Sequence[int]) -> ReusePlan:
     Args:
         llama: The model whose cache to prepare.
         prompt: Full prompt token ids (non-empty).
+        reuse: False (a request's ``cache_prompt: false``): clear the cache
+            and evaluate the whole prompt.
 
     Returns:
         The plan: suffix tokens to evaluate and how many were reused.
@@ -102,7 +105,7 @@ def plan_reuse(llama: llama_cpp.Llama, prompt: Sequence[int]) -> ReusePlan:
     if not prompt:
         raise ValueError("empty prompt")
     mem = llama_cpp.llama_get_memory(llama._ctx.ctx)
-    keep = reusable_prefix(llama, prompt)
+    keep = reusable_prefix(llama, prompt) if reuse else 0
     # seq_rm returns False when the memory cannot drop a tail (recurrent
     # state); then nothing is reusable.
     if keep > 0 and not llama_cpp.llama_memory_seq_rm(mem, _SEQ, keep, -1):

@@ -151,7 +151,7 @@ class LlamaEngine:
                   prompt: list[int], extra_stops: list[str], max_tokens: int,
                   logits: RequestLogits, started: float) -> GenerationResult:
         sampling = request.sampling
-        plan = kv_cache.plan_reuse(self.llama, prompt)
+        plan = kv_cache.plan_reuse(self.llama, prompt, request.cache_prompt)
         grammar, logprobs = logits.grammar, logits.logprobs
 
         self._follow_thread_budget(sink)
@@ -229,6 +229,7 @@ class LlamaEngine:
             predicted_ms=(ended - first_token_at) * 1000,
             tail_text=tail,
             tail_logprobs=tail_logprobs,
+            stopping_word=output.stopper.matched,
         )
 
     def _follow_thread_budget(self, sink: JobSink) -> None:

@@ -18,7 +18,8 @@ from collections.abc import Callable
 import llama_cpp
 from llama_cpp import llama_chat_format
 
-from protocol.payloads import CHAT, GenerationRequest
+from protocol.payloads import CHAT, ChatMessage, GenerationRequest
+from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.tokenizing import BoundedTokenizer, PromptTooLong, TokenizeCancelled
 
 # The tokenising errors are raised through ``PromptBuilder.tokens``; callers
@@ -78,6 +79,73 @@ class PromptBuilder:
                 return formatter
         raise ValueError(f"unknown chat format {chat_format!r}")
 
+    def render_chat(self, messages: list[ChatMessage], tools: str = ""):
+        """The chat prompt for ``messages`` (and ``tools``, OpenAI's list as
+        JSON text, "" for none), as the chat endpoint renders it
+        (llama-cpp-python's ``ChatFormatterResponse``: ``prompt``, ``stop``,
+        ``added_special``). ``/apply-template`` shows this same text.
+
+        Raises:
+            ToolsUnsupported: tools given, but the template does not render them.
+            PromptError: the messages cannot be rendered.
+        """
+        extra = {}
+        if tools:
+            if not self.renders_tools:
+                raise ToolsUnsupported(
+                    "this model's chat template does not support tools "
+                    "(it never mentions 'tools'); use tool_choice 'none' "
+                    "or a model whose template renders them")
+            try:
+                extra["tools"] = json.loads(tools)
+            except ValueError:  # the frontend sends JSON; a peer might not
+                raise PromptError("'tools' is not JSON") from None
+        try:
+            return self._format_chat(
+                messages=[m.as_dict() for m in messages], **extra)
+        except Exception as exc:  # a template error is about the input
+            raise PromptError(str(exc)) from None
+
+    def tokenize_text(self, text: str, *, add_special: bool, parse_special: bool,
+                      limit: int) -> list[int]:
+        """The tokens of ``text`` as ``llama_tokenize`` gives them (the
+        native ``/tokenize``).
+
+        Raises:
+            PromptTooLong: ``limit`` tokens or more.
+        """
+        return self._tokenizer.tokenize(text.encode("utf-8"), add_special=add_special,
+                                        parse_special=parse_special, limit=limit)
+
+    def pieces(self, tokens: list[int]) -> list[bytes]:
+        """Each token's bytes, special tokens as their text (llama.cpp's
+        ``common_token_to_piece``); a piece may be part of a UTF-8 character.
+        Valid ids only (``valid_token``)."""
+        # One buffer per call: the frontend's threads share this builder.
+        detokenizer = IncrementalDetokenizer(self.llama._model.vocab, special=True)
+        return [detokenizer.piece(t) for t in tokens]
+
+    def valid_token(self, token: int) -> bool:
+        return 0 <= token < self.llama.n_vocab()
+
+    def special_text(self, token: int) -> str:
+        """The text of a special token such as BOS ("" if the model has none)."""
+        return "" if token < 0 else self.pieces([token])[0].decode("utf-8",
+                                                                    "replace")
+
+    def fim_tokens(self) -> tuple[int, int, int, int, int]:
+        """The model's fill-in-the-middle tokens: prefix, suffix, middle,
+        repo and file separator (-1 for each the model lacks)."""
+        vocab = self.llama._model.vocab
+        return (llama_cpp.llama_vocab_fim_pre(vocab),
+                llama_cpp.llama_vocab_fim_suf(vocab),
+                llama_cpp.llama_vocab_fim_mid(vocab),
+                llama_cpp.llama_vocab_fim_rep(vocab),
+                llama_cpp.llama_vocab_fim_sep(vocab))
+
+    def adds_bos(self) -> bool:
+        return bool(llama_cpp.llama_vocab_get_add_bos(self.llama._model.vocab))
+
     def tokenize_piece(self, text: str, limit: int) -> list[int]:
         """The tokens of a piece of text on its own: no BOS, special tokens
         not parsed (how llama.cpp's server reads a ``logit_bias`` text key).
@@ -112,22 +180,7 @@ class PromptBuilder:
             TokenizeCancelled: ``should_stop`` turned true on the way.
         """
         if request.kind == CHAT:
-            extra = {}
-            if request.tools:
-                if not self.renders_tools:
-                    raise ToolsUnsupported(
-                        "this model's chat template does not support tools "
-                        "(it never mentions 'tools'); use tool_choice 'none' "
-                        "or a model whose template renders them")
-                try:
-                    extra["tools"] = json.loads(request.tools)
-                except ValueError:  # the frontend sends JSON; a peer might not
-                    raise PromptError("'tools' is not JSON") from None
-            try:
-                rendered = self._format_chat(
-                    messages=[m.as_dict() for m in request.messages], **extra)
-            except Exception as exc:  # a template error is about the input
-                raise PromptError(str(exc)) from None
+            rendered = self.render_chat(request.messages, request.tools)
             stops = rendered.stop or []
             stops = [stops] if isinstance(stops, str) else list(stops)
             tokens = self._tokenizer.tokenize(

@@ -18,6 +18,9 @@ class StopStringFilter:
         self._longest = max((len(s) for s in self.stops), default=0)
         self._pending = ""
         self.stopped = False
+        #: The stop string that ended the output ("" until one did): llama.cpp's
+        #: native ``stopping_word``.
+        self.matched = ""
 
     def push(self, text: str) -> str:
         if self.stopped:
@@ -28,6 +31,8 @@ class StopStringFilter:
         cut = self._first_stop_index()
         if cut is not None:
             self.stopped = True
+            self.matched = min((s for s in self.stops if s in self._pending),
+                               key=self._pending.find)
             out, self._pending = self._pending[:cut], ""
             return out
         keep = self._partial_suffix_len()

@@ -117,4 +117,5 @@ class SyntheticEngine:
             prompt_ms=first_token_s * 1000,
             predicted_ms=(ended - started - first_token_s) * 1000,
             tail_text="" if finish == "cancelled" else output.tail(),
+            stopping_word=output.stopper.matched,
         )

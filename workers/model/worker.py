@@ -369,6 +369,7 @@ class ModelWorker(LinkHandler):
                 msg = messages.Final(
                     job.job_id, result.finish_reason, result.usage(),
                     result.timings(), result.tail_text, result.tail_logprobs,
+                    result.stopping_word,
                 )
         except RequestRejected as exc:
             msg = messages.Error(job.job_id, exc.code, exc.message,

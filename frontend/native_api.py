@@ -1,0 +1,358 @@
+"""llama.cpp's native endpoints: ``/completion``, ``/infill``, ``/tokenize``,
+``/detokenize``, ``/apply-template`` and ``/props``.
+
+Who answers:
+
+* ``/completion`` and ``/infill`` are generation jobs like the OpenAI ones:
+  they take a slot, through the same ``start_job`` and lease.
+* ``/tokenize``, ``/detokenize`` and ``/apply-template`` are answered here,
+  from the vocabulary the frontend loads anyway to count prompt tokens
+  (``frontend.prompt_gate``, the frontend's ``--model``). They take no slot
+  and no worker's time, and they use the very code the workers use
+  (``workers.model.prompting.PromptBuilder``), so a token count or a
+  rendered template is the one a generation will see. A frontend started
+  without the model file answers them 501 naming the setting, rather than
+  sending tokenizer work to a worker between jobs.
+* ``/props`` combines that vocabulary with the broker's ledger (pool-wide
+  ``total_slots``). ``POST /props`` is refused as llama.cpp refuses it
+  without ``--props``: the pool has no global property to change at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+
+import falcon
+
+from frontend import openai_schema
+from frontend.broker_link import BrokerLink
+from frontend.errors import ApiError, BadRequest
+from frontend.generation import collect, start_job
+from frontend.native_format import NativeShaper, sampler_params
+from frontend.native_schema import (
+    INFILL_FIELDS,
+    NativeRequest,
+    PromptPart,
+    parse_completion,
+    parse_detokenize,
+    parse_infill_input,
+    parse_tokenize,
+)
+from frontend.prompt_gate import PromptGate
+from frontend.request_body import read_json_body
+from frontend.settings import FrontendSettings
+from frontend.sse import EventStreamBody, tune_stream_socket
+from protocol.payloads import Sampling
+
+
+class NotSupported(ApiError):
+    """llama.cpp's 501 (``ERROR_TYPE_NOT_SUPPORTED``)."""
+
+    status = 501
+    type = "not_supported_error"
+    code = 501
+    reject_reason = "not_supported"
+
+
+#: Why a frontend without the vocabulary cannot answer.
+NO_VOCAB = ("this frontend has no model file to read the vocabulary from: start "
+            "it with --model PATH (LLAMAPOOL_TOKENIZER_MODEL)")
+
+
+def _builder(gate: PromptGate | None):
+    if gate is None:
+        raise NotSupported(NO_VOCAB)
+    return gate.builder()
+
+
+def _too_long(where: str, n_tokens: int, n_ctx: int) -> BadRequest:
+    return BadRequest(f"the prompt is {n_tokens} tokens; the context holds {n_ctx}",
+                      param=where, code="context_length_exceeded")
+
+
+def tokenize_parts(builder, parts: str | list[PromptPart], *, add_special: bool,
+                   parse_special: bool, limit: int, where: str) -> list[int]:
+    """llama.cpp's ``tokenize_mixed``: texts are tokenised in place, ids kept;
+    only a text at the very start gets the BOS."""
+    from workers.model.prompting import PromptTooLong
+
+    if isinstance(parts, str):
+        parts = [parts]
+    tokens: list[int] = []
+    try:
+        for i, part in enumerate(parts):
+            if isinstance(part, str):
+                tokens += builder.tokenize_text(
+                    part, add_special=add_special and i == 0,
+                    parse_special=parse_special, limit=limit)
+            else:
+                tokens.append(part)
+    except PromptTooLong as exc:
+        raise BadRequest(str(exc), param=where,
+                         code="context_length_exceeded") from None
+    bad = next((t for t in tokens if not builder.valid_token(t)), None)
+    if bad is not None:
+        raise BadRequest(f"'{where}': token {bad} is out of the vocabulary",
+                         param=where)
+    return tokens
+
+
+class NativeCompletionResource:
+    """``POST /completion`` and ``POST /infill``."""
+
+    def __init__(self, link: BrokerLink, settings: FrontendSettings,
+                 gate: PromptGate | None, infill: bool = False) -> None:
+        self.link = link
+        self.settings = settings
+        self.gate = gate
+        self.infill = infill
+
+    def _settle_prompt(self, parsed: NativeRequest, body: dict
+                       ) -> tuple[NativeRequest, int, str]:
+        """The request with its prompt in the form the worker takes, the
+        prompt's token count (0: the worker counts) and its text."""
+        n_ctx = self.settings.n_ctx
+        generation = parsed.generation
+        prompt = parsed.prompt
+        if self.infill:
+            tokens = self._infill_tokens(parsed, body)
+        elif isinstance(prompt, str):
+            if self.gate is None:
+                generation = dataclasses.replace(generation, prompt=prompt)
+                return dataclasses.replace(parsed, generation=generation), 0, prompt
+            generation = self.gate.check(dataclasses.replace(generation,
+                                                             prompt=prompt))
+            return (dataclasses.replace(parsed, generation=generation),
+                    len(generation.prompt_tokens), prompt)
+        elif all(isinstance(p, int) for p in prompt):
+            # Token ids alone need no vocabulary here: the worker checks
+            # their range, and refuses a prompt that fills its context.
+            tokens = list(prompt)
+            if not tokens:
+                raise BadRequest("'prompt' is an empty list", param="prompt")
+        else:
+            tokens = tokenize_parts(_builder(self.gate), prompt, add_special=True,
+                                    parse_special=True, limit=n_ctx, where="prompt")
+        if len(tokens) >= n_ctx:
+            raise _too_long("prompt", len(tokens), n_ctx)
+        text = ""
+        if self.gate is not None:
+            builder = self.gate.builder()
+            pieces = builder.pieces([t for t in tokens if builder.valid_token(t)])
+            text = b"".join(pieces).decode("utf-8", "replace")
+        generation = dataclasses.replace(generation, prompt_tokens=tokens)
+        return dataclasses.replace(parsed, generation=generation), len(tokens), text
+
+    def _infill_tokens(self, parsed: NativeRequest, body: dict) -> list[int]:
+        from workers.model.infill import (
+            ExtraChunk,
+            NoFimTokens,
+            fim_problem,
+            infill_tokens,
+        )
+        from workers.model.prompting import PromptTooLong
+
+        builder = _builder(self.gate)
+        problem = fim_problem(builder)
+        if problem is not None:
+            # llama.cpp's words, checked before the infill fields as there; it
+            # answers 501, the pool 400 (issue 11): the server implements
+            # infill, this model cannot do it.
+            raise BadRequest(problem, param="model", code="infill_not_supported")
+        given = parse_infill_input(body)
+        if not isinstance(parsed.prompt, str):
+            raise BadRequest('"prompt" must be a string', param="prompt")
+        try:
+            return infill_tokens(
+                builder, given.prefix, given.suffix, parsed.prompt,
+                [ExtraChunk(text, name) for text, name in given.extra],
+                limit=self.settings.n_ctx)
+        except NoFimTokens as exc:
+            raise BadRequest(str(exc), param="model",
+                             code="infill_not_supported") from None
+        except PromptTooLong as exc:
+            raise BadRequest(str(exc), param="input_prefix",
+                             code="context_length_exceeded") from None
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        s = self.settings
+        body = read_json_body(req, s.max_body_bytes)
+        if self.infill:
+            parsed = parse_completion(body, INFILL_FIELDS)
+        else:
+            parsed = parse_completion(body)
+        parsed, n_prompt, prompt_text = self._settle_prompt(parsed, body)
+        record = req.context.record
+        record.stream = parsed.stream
+        job = start_job(
+            self.link, parsed.generation,
+            submit_timeout_s=s.submit_timeout_s,
+            frame_timeout_s=s.frame_timeout_s,
+            credit_batch_frames=s.credit_batch_frames,
+            outcome=record.expect_job(),
+            on_release=record.lease_released,
+            id_slot=parsed.id_slot,
+        )
+        record.slot_id = job.slot_id
+        shaper = NativeShaper(
+            generation=parsed.generation,
+            model=job.model or s.model_name or "llamapool",
+            id_slot=job.slot_id if job.slot_id is not None else -1,
+            n_prompt=n_prompt, prompt_text=prompt_text, n_probs=parsed.n_probs,
+            show_probs=parsed.show_probs, return_tokens=parsed.return_tokens,
+            stream=parsed.stream)
+        resp.set_header("X-Slot-Id", str(job.slot_id))
+        resp.set_header("X-Frontend-Pid", str(os.getpid()))
+        if not parsed.stream:
+            text, final, entries = collect(job)
+            resp.media = shaper.whole(text, final, entries)
+            return
+        tune_stream_socket(req, s.stream_sndbuf_bytes)
+        # From here on the body owns the job, and with it the lease.
+        resp.content_type = "text/event-stream"
+        resp.set_header("Cache-Control", "no-cache")
+        resp.set_header("X-Accel-Buffering", "no")
+        resp.stream = EventStreamBody(job, shaper)
+
+
+class TokenizeResource:
+    """``POST /tokenize``: ``{"tokens": [...]}``, ids or ``{id, piece}``."""
+
+    def __init__(self, settings: FrontendSettings, gate: PromptGate | None) -> None:
+        self.settings = settings
+        self.gate = gate
+
+    def on_post(self, req, resp) -> None:
+        body = read_json_body(req, self.settings.max_body_bytes)
+        parsed = parse_tokenize(body)
+        builder = _builder(self.gate)
+        # The body limit bounds the text; no text of B bytes has B + 8 tokens.
+        tokens = tokenize_parts(builder, parsed.content,
+                                add_special=parsed.add_special,
+                                parse_special=parsed.parse_special,
+                                limit=self.settings.max_body_bytes + 8,
+                                where="content")
+        if not parsed.with_pieces:
+            resp.media = {"tokens": tokens}
+            return
+        out = []
+        for token, piece in zip(tokens, builder.pieces(tokens), strict=True):
+            try:
+                shown: str | list[int] = piece.decode("utf-8")
+            except UnicodeDecodeError:
+                shown = list(piece)  # part of a character: its bytes, as llama.cpp
+            out.append({"id": token, "piece": shown})
+        resp.media = {"tokens": out}
+
+
+class DetokenizeResource:
+    """``POST /detokenize``: ``{"content": "..."}``."""
+
+    def __init__(self, settings: FrontendSettings, gate: PromptGate | None) -> None:
+        self.settings = settings
+        self.gate = gate
+
+    def on_post(self, req, resp) -> None:
+        tokens = parse_detokenize(read_json_body(req, self.settings.max_body_bytes))
+        builder = _builder(self.gate)
+        bad = next((t for t in tokens if not builder.valid_token(t)), None)
+        if bad is not None:
+            raise BadRequest(f"'tokens': token {bad} is out of the vocabulary",
+                             param="tokens")
+        text = b"".join(builder.pieces(tokens)).decode("utf-8", "replace")
+        resp.media = {"content": text}
+
+
+class ApplyTemplateResource:
+    """``POST /apply-template``: ``{"prompt": ...}``, the chat prompt the chat
+    endpoint would generate from, rendered by the same code."""
+
+    def __init__(self, settings: FrontendSettings, gate: PromptGate | None) -> None:
+        self.settings = settings
+        self.gate = gate
+
+    def on_post(self, req, resp) -> None:
+        from workers.model.prompting import PromptError
+
+        body = read_json_body(req, self.settings.max_body_bytes)
+        # The whole chat body is checked as the chat endpoint checks it.
+        parsed = openai_schema.parse_chat(body)
+        builder = _builder(self.gate)
+        try:
+            rendered = builder.render_chat(parsed.generation.messages)
+        except PromptError as exc:
+            raise BadRequest(f"cannot render messages: {exc}",
+                             param="messages") from None
+        resp.media = {"prompt": rendered.prompt}
+
+
+def build_info() -> str:
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown"
+    return (f"llamapool {version('llamapool')}, "
+            f"llama-cpp-python {version('llama_cpp_python')}")
+
+
+class PropsResource:
+    """``GET /props`` (public fields of the pool) and ``POST /props`` (refused)."""
+
+    def __init__(self, link: BrokerLink, settings: FrontendSettings,
+                 gate: PromptGate | None) -> None:
+        self.link = link
+        self.settings = settings
+        self.gate = gate
+
+    def on_get(self, req, resp) -> None:
+        s = self.settings
+        status = self.link.status(s.health_timeout_s, s.health_cache_s)
+        slots = status.slots if status is not None else []
+        n_ctx = slots[0].n_ctx if slots else s.n_ctx
+        template = bos = eos = ""
+        if self.gate is not None:
+            builder = self.gate.builder()
+            template = builder.llama.metadata.get("tokenizer.chat_template", "")
+            bos = builder.special_text(builder.llama.token_bos())
+            eos = builder.special_text(builder.llama.token_eos())
+        resp.media = {
+            "default_generation_settings": {
+                "params": sampler_params(Sampling(), None, stream=False, n_probs=0),
+                "n_ctx": n_ctx,
+            },
+            # Pool-wide, from the broker's ledger (None: broker unreachable).
+            "total_slots": status.slots_total if status is not None else None,
+            "model_alias": slots[0].model if slots else s.model_name,
+            "model_path": s.tokenizer_model,
+            "modalities": {"vision": False, "audio": False, "video": False},
+            "endpoint_slots": True,
+            "endpoint_props": False,
+            "endpoint_metrics": True,
+            "chat_template": template,
+            "bos_token": bos,
+            "eos_token": eos,
+            "build_info": build_info(),
+            "is_sleeping": False,
+        }
+
+    def on_post(self, req, resp) -> None:
+        # llama.cpp's words, without its advice: the pool has no ``--props``,
+        # because it has no global property to change at run time.
+        raise NotSupported("This server does not support changing global "
+                           "properties")
+
+
+def add_native_routes(app: falcon.App, link: BrokerLink, settings: FrontendSettings,
+                      gate: PromptGate | None) -> None:
+    """Route llama.cpp's native endpoints. ``/completions`` (plural) stays
+    OpenAI's (``frontend.app``): see the README's compatibility section."""
+    app.add_route("/completion", NativeCompletionResource(link, settings, gate))
+    app.add_route("/infill", NativeCompletionResource(link, settings, gate,
+                                                      infill=True))
+    app.add_route("/tokenize", TokenizeResource(settings, gate))
+    app.add_route("/detokenize", DetokenizeResource(settings, gate))
+    app.add_route("/apply-template", ApplyTemplateResource(settings, gate))
+    app.add_route("/props", PropsResource(link, settings, gate))
