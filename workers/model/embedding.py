@@ -119,7 +119,7 @@ class Embedder:
         else:
             try:
                 tokens = self._prompts.tokenize_text(
-                    item.text, self.batch_tokens + 1, should_stop)
+                    item.text, limit=self.batch_tokens + 1, should_stop=should_stop)
             except PromptTooLong as exc:
                 raise self._too_large(i, f"at least {exc.at_least}") from None
         if not tokens:

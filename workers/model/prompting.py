@@ -106,16 +106,21 @@ class PromptBuilder:
         except Exception as exc:  # a template error is about the input
             raise PromptError(str(exc)) from None
 
-    def tokenize_text(self, text: str, *, add_special: bool, parse_special: bool,
-                      limit: int) -> list[int]:
-        """The tokens of ``text`` as ``llama_tokenize`` gives them (the
-        native ``/tokenize``).
+    def tokenize_text(self, text: str, *, limit: int, add_special: bool = True,
+                      parse_special: bool = True,
+                      should_stop: Callable[[], bool] | None = None) -> list[int]:
+        """The tokens of ``text`` as ``llama_tokenize`` gives them, bounded.
+        The defaults read a text as a whole input: BOS added, special tokens
+        parsed (how llama.cpp's server reads an embedding input); the native
+        ``/tokenize`` and ``/infill`` choose.
 
         Raises:
             PromptTooLong: ``limit`` tokens or more.
+            TokenizeCancelled: ``should_stop`` said so between pieces.
         """
         return self._tokenizer.tokenize(text.encode("utf-8"), add_special=add_special,
-                                        parse_special=parse_special, limit=limit)
+                                        parse_special=parse_special, limit=limit,
+                                        should_stop=should_stop)
 
     def pieces(self, tokens: list[int]) -> list[bytes]:
         """Each token's bytes, special tokens as their text (llama.cpp's
@@ -156,18 +161,6 @@ class PromptBuilder:
         return self._tokenizer.tokenize(text.encode("utf-8"), add_special=False,
                                         parse_special=False, limit=limit)
 
-    def tokenize_text(self, text: str, limit: int,
-                      should_stop: Callable[[], bool] | None = None) -> list[int]:
-        """The tokens of a text as a whole input: BOS added, special tokens
-        parsed (how llama.cpp's server reads an embedding input).
-
-        Raises:
-            PromptTooLong: ``limit`` tokens or more.
-            TokenizeCancelled: ``should_stop`` said so between pieces.
-        """
-        return self._tokenizer.tokenize(text.encode("utf-8"), add_special=True,
-                                        parse_special=True, limit=limit,
-                                        should_stop=should_stop)
 
     def tokens(self, request: GenerationRequest, limit: int,
                should_stop: Callable[[], bool] | None = None,
