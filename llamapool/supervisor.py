@@ -173,7 +173,8 @@ def run_up(args: argparse.Namespace) -> int:
     worker_argv = [*cli, "worker", "--broker", workers_ep, "--model", model,
                    *shared, *liveness,
                    *_forwarded(args, {"n_threads": "--threads",
-                                      "model_name": "--model-name"})]
+                                      "model_name": "--model-name",
+                                      "cache_ram_mib": "--cache-ram"})]
     frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
                      "--bind", f"{args.host}:{args.port}", "--model", model,
                      *shared, *liveness,

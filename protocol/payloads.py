@@ -40,6 +40,7 @@ from protocol.records import (
     WireRecord,
     wire_record,
 )
+from protocol.prompt_cache import PromptCacheStatus
 
 _STR = (str,)
 _INT = (int,)
@@ -241,7 +242,8 @@ class Timings(WireRecord):
 @wire_record(id=_INT, state=_STR, id_task=Optional(_STR), worker_name=_STR,
              host=_STR, pid=_INT, model=_STR, engine=_STR, n_ctx=_INT,
              lease_age_s=Optional(_NUM), lease_taken_at=Optional(_NUM),
-             jobs_served=_INT, progress=Optional(JobProgress))
+             jobs_served=_INT, progress=Optional(JobProgress),
+             prompt_cache=Optional(PromptCacheStatus))
 class SlotStatus(WireRecord):
     """One slot (one worker) in the ledger. Never any prompt text: the broker
     does not have it."""
@@ -262,6 +264,9 @@ class SlotStatus(WireRecord):
     jobs_served: int
     #: The job's last heartbeat; None while idle or before the first beat.
     progress: JobProgress | None = None
+    #: The worker's prompt-state cache, from its last CACHE_REPORT (None
+    #: before the first).
+    prompt_cache: PromptCacheStatus | None = None
 
 
 @wire_record(buckets=ListOf(_NUM), cumulative=ListOf(_INT), sum=_NUM, count=_INT,
@@ -283,7 +288,8 @@ class HistogramSnapshot(WireRecord):
 @wire_record(prompt_tokens_total=_INT, tokens_generated_total=_INT,
              request_success_total=_INT, request_fail_total=_INT,
              request_cancelled_total=_INT, prompt_seconds_total=_NUM,
-             tokens_seconds_total=_NUM, cancel_release_s=HistogramSnapshot)
+             tokens_seconds_total=_NUM, cancel_release_s=HistogramSnapshot,
+             prompt_tokens_cached_total=_COUNT)
 class PoolTotals(WireRecord):
     """Totals over every job the broker saw end (``workers.broker.pool_stats``)."""
 
@@ -296,6 +302,9 @@ class PoolTotals(WireRecord):
     tokens_seconds_total: float
     #: From cancel (client gone) to the slot being free in the ledger.
     cancel_release_s: HistogramSnapshot
+    #: Prompt tokens served from a KV cache or a restored prompt state
+    #: (``prompt_tokens_details.cached_tokens`` summed over every job).
+    prompt_tokens_cached_total: int = 0
 
 
 @wire_record(slots=ListOf(SlotStatus), slots_total=_INT, slots_loading=_INT,

@@ -64,6 +64,7 @@ class PoolStats:
 
     def __init__(self) -> None:
         self.prompt_tokens = 0
+        self.prompt_tokens_cached = 0
         self.tokens_generated = 0
         self.request_success = 0
         self.request_fail = 0
@@ -77,6 +78,7 @@ class PoolStats:
         if isinstance(msg, messages.Final):
             # Typed and range-checked on decode (``protocol.payloads``).
             self.prompt_tokens += msg.timings.prompt_n
+            self.prompt_tokens_cached += msg.usage.cached_tokens
             self.tokens_generated += msg.usage.completion_tokens
             self.prompt_seconds += msg.timings.prompt_ms / 1000
             self.tokens_seconds += msg.timings.predicted_ms / 1000
@@ -103,4 +105,5 @@ class PoolStats:
             prompt_seconds_total=self.prompt_seconds,
             tokens_seconds_total=self.tokens_seconds,
             cancel_release_s=self.release_after_cancel.snapshot(),
+            prompt_tokens_cached_total=self.prompt_tokens_cached,
         )

@@ -28,4 +28,5 @@ def load_engine(settings: WorkerSettings) -> Engine:
         n_threads=settings.n_threads or None,
         chat_format=settings.chat_format,
         model_name=settings.model_name or None,
+        cache_ram_mib=settings.cache_ram_mib,
     )

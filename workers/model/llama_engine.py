@@ -18,7 +18,6 @@ import llama_cpp
 from protocol import defaults
 from protocol.errors import ErrorCode
 from protocol.payloads import GenerationRequest
-from workers.model import kv_cache
 from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.engine import (
     GenerationResult,
@@ -29,6 +28,8 @@ from workers.model.engine import (
 )
 from workers.model.grammar import GrammarError
 from workers.model.logits import MAX_BIASED_TOKENS, BiasError, RequestLogits
+from workers.model.prompt_cache import MIB, PromptStateCache
+from workers.model.prompt_reuse import PromptReuse
 from workers.model.prompting import PromptBuilder, PromptError
 from workers.model.tokenizing import PromptTooLong, TokenizeCancelled
 
@@ -36,6 +37,13 @@ log = logging.getLogger("llamapool.worker")
 
 #: llama.cpp pads the context size to a multiple of this.
 CTX_GRANULARITY = 256
+
+def model_identity(model_path: str) -> str:
+    """What a prompt state is tied to: the model file, by path, size and
+    modification time (a state never loads into another model)."""
+    st = os.stat(model_path)
+    return f"{os.path.realpath(model_path)}:{st.st_size}:{st.st_mtime_ns}"
+
 
 class LlamaEngine:
     """Serves one request at a time from one ``llama_cpp.Llama``."""
@@ -51,6 +59,7 @@ class LlamaEngine:
         n_batch: int = 512,
         chat_format: str | None = None,
         model_name: str | None = None,
+        cache_ram_mib: int = 0,
     ) -> None:
         # llama.cpp rounds the context up to a multiple of 256, but Llama sizes
         # its token record (input_ids) to the number passed in: past that
@@ -69,6 +78,10 @@ class LlamaEngine:
         self.model_name = model_name or os.path.basename(model_path)
         self._vocab = self.llama._model.vocab
         self.prompts = PromptBuilder(self.llama, chat_format)
+        #: Saved prompt states (``--cache-ram``), and the one place that
+        #: decides what a prompt starts from.
+        self.reuse = PromptReuse(self.llama, PromptStateCache(
+            cache_ram_mib * MIB, model_identity(model_path)))
         # Token ids that end generation (EOS, EOT, ...). ignore_eos bans them.
         self._eog_ids = [
             t
@@ -139,7 +152,7 @@ class LlamaEngine:
                   prompt: list[int], extra_stops: list[str], max_tokens: int,
                   logits: RequestLogits, started: float) -> GenerationResult:
         sampling = request.sampling
-        plan = kv_cache.plan_reuse(self.llama, prompt)
+        plan = self.reuse.prepare(prompt)
         grammar, logprobs = logits.grammar, logits.logprobs
 
         detok = IncrementalDetokenizer(self._vocab)
@@ -214,6 +227,11 @@ class LlamaEngine:
             tail_text=tail,
             tail_logprobs=tail_logprobs,
         )
+
+    def prompt_cache_report(self) -> tuple[list[list[int]], object]:
+        """What CACHE_REPORT carries: fingerprint lists (live sequence
+        first) and the cache's figures (``protocol.prompt_cache``)."""
+        return self.reuse.reported_blocks(), self.reuse.cache.status()
 
     def _tokenize_bias(self, text: str) -> list[int]:
         """The tokens of a ``logit_bias`` text key, as llama.cpp's server
