@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from protocol.prompt_cache import PromptCacheStatus
 from protocol.records import (
     Count,
     Finite,
@@ -40,7 +41,6 @@ from protocol.records import (
     WireRecord,
     wire_record,
 )
-from protocol.prompt_cache import PromptCacheStatus
 
 _STR = (str,)
 _INT = (int,)

@@ -87,7 +87,7 @@ class PromptStateCache:
     def __len__(self) -> int:
         return len(self._states)
 
-    # --- lookups -------------------------------------------------------------------
+    # --- lookups ---
 
     def longest_prefix(self, prompt: Sequence[int]) -> tuple[int | None, int]:
         """The cached state sharing the most leading tokens with ``prompt``.
@@ -117,7 +117,7 @@ class PromptStateCache:
             self.bytes_used -= state.n_bytes
         return state
 
-    # --- changes -------------------------------------------------------------------
+    # --- changes ---
 
     def put(self, tokens: Sequence[int], data: bytes) -> bool:
         """Keep a state; evict the least recently used ones to fit.
@@ -147,7 +147,7 @@ class PromptStateCache:
         self.bytes_used += state.n_bytes
         return True
 
-    # --- what the broker and operators see ------------------------------------------
+    # --- what the broker and operators see ---
 
     def status(self) -> PromptCacheStatus:
         return PromptCacheStatus(

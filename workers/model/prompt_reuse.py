@@ -40,7 +40,7 @@ class PromptReuse:
         self.llama = llama
         self.cache = cache
 
-    # --- the decision ----------------------------------------------------------------
+    # --- the decision ---
 
     def prepare(self, prompt: Sequence[int], reuse: bool = True
                 ) -> kv_cache.ReusePlan:
@@ -79,7 +79,7 @@ class PromptReuse:
             self.cache.misses += 1
         return plan
 
-    # --- llama.cpp state ----------------------------------------------------------------
+    # --- llama.cpp state ---
 
     def live_length(self) -> int:
         """Tokens of the live sequence that both Python and the KV cache hold."""
@@ -141,7 +141,7 @@ class PromptReuse:
             llama_cpp.llama_memory_clear(mem, True)
         self.llama.n_tokens = 0
 
-    # --- what the broker is told -----------------------------------------------------------
+    # --- what the broker is told ---
 
     def reported_blocks(self) -> list[list[int]]:
         """Fingerprints of the live sequence, then of the saved states."""
