@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,6 +45,13 @@ class CachedState:
     model_id: str
     #: ``protocol.prefix`` fingerprints of ``tokens``, for CACHE_REPORT.
     blocks: tuple[int, ...]
+    #: CRC32 of ``data`` when saved: llama.cpp checks a state's layout, not
+    #: its contents, and some malformed states trip its asserts (an abort,
+    #: not an error), so a state that changed in memory is never handed back.
+    crc32: int = 0
+
+    def intact(self) -> bool:
+        return zlib.crc32(self.data) == self.crc32
 
     @property
     def n_bytes(self) -> int:
@@ -130,8 +138,9 @@ class PromptStateCache:
             Whether the state was kept.
         """
         arr = np.asarray(tokens, dtype=np.intc).copy()
-        state = CachedState(arr, bytes(data), self.model_id,
-                            tuple(prefix_blocks(arr.tolist())))
+        data = bytes(data)
+        state = CachedState(arr, data, self.model_id,
+                            tuple(prefix_blocks(arr.tolist())), zlib.crc32(data))
         if not self.enabled or state.n_bytes > self.limit_bytes:
             self.dropped += 1
             return False

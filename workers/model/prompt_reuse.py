@@ -117,7 +117,8 @@ class PromptReuse:
         if state is None:
             return False
         n = len(state.tokens)
-        ok = state.model_id == self.cache.model_id and n <= len(self.llama.input_ids)
+        ok = (state.model_id == self.cache.model_id
+              and n <= len(self.llama.input_ids) and state.intact())
         if ok:
             self._clear()
             data = state.data
