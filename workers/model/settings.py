@@ -85,9 +85,9 @@ class WorkerSettings:
         0, "LLAMAPOOL_WORKER_METRICS_PORT", "port for own /metrics (0: off)")
 
     #: The prompt-state cache (``workers.model.prompt_cache``). A Gemma 3
-    #: 270M state is about 18 KiB per token (BENCHMARKS.md): 2 GiB holds
-    #: ~110 conversations of 1000 tokens, and two workers stay far inside
-    #: a 24 GiB machine.
+    #: 270M state costs 10-18 KiB per token (BENCHMARKS.md section 9): 2 GiB
+    #: holds ~200 conversations of 1000 tokens, and two workers stay far
+    #: inside a 24 GiB machine.
     cache_ram_mib: int = setting(
         2048, "LLAMAPOOL_CACHE_RAM", "saved prompt states, MiB (0: off)")
 
