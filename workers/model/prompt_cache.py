@@ -45,9 +45,10 @@ class CachedState:
     model_id: str
     #: ``protocol.prefix`` fingerprints of ``tokens``, for CACHE_REPORT.
     blocks: tuple[int, ...]
-    #: CRC32 of ``data`` when saved: llama.cpp checks a state's layout, not
-    #: its contents, and some malformed states trip its asserts (an abort,
-    #: not an error), so a state that changed in memory is never handed back.
+    #: CRC32 of ``data`` when saved. llama.cpp checks a state's layout, not
+    #: its contents: damaged KV bytes load without complaint and the model
+    #: then continues from a wrong cache (tried: 64 flipped bytes in the
+    #: middle of a state were restored as 167 cached tokens).
     crc32: int = 0
 
     def intact(self) -> bool:
