@@ -4,7 +4,7 @@ routing save (issue 13).
 ``python -m tests.bench.bench_conversations`` (``make bench-conversations``)
 starts a real pool (broker, K workers, gunicorn) once per configuration and
 plays the same N conversations x T turns against each: every conversation
-has its own system prompt (~300 tokens), each turn resends the whole history
+has its own preamble (~300 tokens), each turn resends the whole history
 (chat completions, streamed, usage included), and the turns of different
 conversations are interleaved at random with a fixed seed. ``--concurrency``
 client threads send turns; a conversation's next turn waits for its last.
@@ -51,14 +51,22 @@ def user_turn(rng: random.Random, turn: int) -> str:
 
 
 class Conversation:
-    def __init__(self, idx: int, system: str) -> None:
+    """One conversation's history. Its ~300-token preamble opens the first
+    user message: Gemma has no system role, and llama-cpp-python's ``gemma``
+    chat format drops system messages (Gemma's own template folds them into
+    the first user turn, as here)."""
+
+    def __init__(self, idx: int, preamble: str) -> None:
         self.idx = idx
-        self.messages = [{"role": "system", "content": system}]
+        self.preamble = preamble
+        self.messages: list[dict] = []
         self.turn = 0
 
 
 def play_turn(url: str, conv: Conversation, text: str, max_tokens: int) -> dict:
     """One streamed chat turn; returns its figures. Retries on 503."""
+    if not conv.messages:
+        text = f"{conv.preamble}\n\n{text}"
     conv.messages.append({"role": "user", "content": text})
     body = {"messages": conv.messages, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "temperature": 0.0,
