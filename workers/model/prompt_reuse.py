@@ -60,7 +60,9 @@ class PromptReuse:
                        else (None, 0))
         # The last prompt token is always evaluated again.
         stored = min(stored, len(prompt) - 1)
-        use_stored = stored > live
+        # A restore costs tens of ms (BENCHMARKS.md section 9): worth it for a
+        # block of tokens or more, not for a chat template's first few.
+        use_stored = stored - live >= MIN_STATE_TOKENS
         # What of the live sequence survives this job: worth a saved state
         # when it loses at least a block (not the few tokens by which a
         # chat turn's re-rendered reply differs from the generated one).
