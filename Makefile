@@ -39,8 +39,7 @@ faults: $(STAMP_TEST)
 	bench-curve-roles bench-slow-clients bench-rogue-final bench-prompt-size \
 	bench-retry-after bench-output-controls bench-limits bench-web-page \
 	bench-thread-stepdown llama-server bench-cpu-per-token \
-	bench-llama-details \
-	bench-embeddings
+	bench-llama-details bench-embeddings bench-conversations bench-prompt-state
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -114,3 +113,12 @@ bench-web-page: $(STAMP_TEST)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Many conversations on 2 Gemma workers: --routing prefix vs lru vs
+# --cache-ram 0, side by side (issue 13). Takes minutes.
+bench-conversations: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_conversations $(BENCH_ARGS)
+
+# Bytes and milliseconds of one saved prompt state (tiny model and Gemma).
+bench-prompt-state: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_prompt_state $(BENCH_ARGS)

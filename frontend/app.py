@@ -6,6 +6,7 @@ after gunicorn has forked this process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import uuid
@@ -232,6 +233,10 @@ def public_slot(slot: SlotStatus) -> dict:
         # the right age (the web page's pool view).
         "lease_age_s": slot.lease_age_s,
         "jobs_served": slot.jobs_served,
+        # The worker's saved prompt states: count, bytes used, limit, hits...
+        # (None: it has not reported, e.g. the synthetic engine).
+        "prompt_cache": None if slot.prompt_cache is None
+        else dataclasses.asdict(slot.prompt_cache),
     }
 
 

@@ -25,7 +25,7 @@ from llamapool.exit_codes import ExitCode
 from llamapool.signals import StopFlag
 from protocol.curve import CurveKeyError, client_keys
 from protocol.settings import ConfigError, load, to_env
-from workers.broker.settings import BrokerSettings, reject_removed
+from workers.broker.settings import ROUTING_POLICIES, BrokerSettings, reject_removed
 from workers.model.settings import ENGINES, WorkerSettings
 
 
@@ -145,6 +145,8 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     setting_flag(p, "--model-name", W, "model_name")
     setting_flag(p, "--embedding-batch", W, "embedding_batch_tokens",
                  type=_positive_int)
+    setting_flag(p, "--cache-ram", W, "cache_ram_mib", type=_non_negative_int,
+                 metavar="MIB")
     _add_model_flags(p, W)
 
 
@@ -211,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     setting_flag(broker, "--workers", B, "workers_endpoint")
     setting_flag(broker, "--metrics-port", B, "metrics_port", type=_non_negative_int)
     setting_flag(broker, "--max-workers", B, "max_workers", type=_positive_int)
+    setting_flag(broker, "--routing", B, "routing", choices=ROUTING_POLICIES)
     setting_flag(broker, "--first-frame-timeout-s", B, "first_frame_timeout_s",
                  type=_positive_float)
     setting_flag(broker, "--step-down-wait-s", B, "step_down_wait_s",

@@ -175,7 +175,8 @@ def run_up(args: argparse.Namespace) -> int:
                    *_forwarded(args, {"n_threads": "--threads",
                                       "pool_cores": "--pool-cores",
                                       "model_name": "--model-name",
-                                      "embedding_batch_tokens": "--embedding-batch"})]
+                                      "embedding_batch_tokens": "--embedding-batch",
+                                      "cache_ram_mib": "--cache-ram"})]
     frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
                      "--bind", f"{args.host}:{args.port}", "--model", model,
                      *shared, *liveness,

@@ -147,3 +147,17 @@ STATUS_REPLY = BodyLimits(
     # Two per slot (the slot and its progress), plus the totals.
     max_containers=2 * (MAX_STATUS_REPLY_BYTES // MAX_SLOT_STATUS_BYTES) + 64,
 )
+
+#: CACHE_REPORT (worker -> broker): the fingerprint lists of at most this many
+#: prompt states (the live sequence and the most recently used cached ones),
+#: each at most ``protocol.prefix.MAX_BLOCKS`` (128) fingerprints. A worker
+#: with more states reports the most recent; the rest are still restored
+#: when a prompt reaches that worker, only not routed to.
+MAX_REPORTED_STATES = 128
+#: 128 states x 128 fingerprints x at most 5 bytes each, plus the figures.
+MAX_CACHE_REPORT_BYTES = 128 * KIB
+CACHE_REPORT = BodyLimits(
+    max_bytes=MAX_CACHE_REPORT_BYTES,
+    max_array_len=max(MAX_REPORTED_STATES, 128),
+    max_containers=MAX_REPORTED_STATES + 8,
+)

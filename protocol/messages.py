@@ -19,7 +19,8 @@ Peers and what they send:
 * frontend -> broker: HELLO, SUBMIT, CANCEL, CREDIT, STATUS, HEARTBEAT
 * broker -> frontend: ACCEPTED, NO_SLOT, TOKEN, FINAL, ERROR, STATUS_REPLY,
   HEARTBEAT, DISCONNECT
-* worker -> broker: LOADING, READY, TOKEN, FINAL, ERROR, HEARTBEAT, DISCONNECT
+* worker -> broker: LOADING, READY, TOKEN, FINAL, ERROR, HEARTBEAT, DISCONNECT,
+  CACHE_REPORT, THREADS_SET
 * broker -> worker: SUBMIT, CANCEL, CREDIT, THREADS, HEARTBEAT, DISCONNECT
 
 ``decode`` validates every field's type at the socket edge and raises
@@ -44,6 +45,7 @@ from protocol.payloads import (
     TokenLogprob,
     Usage,
 )
+from protocol.prompt_cache import PromptCacheStatus
 from protocol.records import (
     Count,
     Kind,
@@ -110,6 +112,9 @@ def _register(command: int, body_limits: limits.BodyLimits = limits.SMALL,
     field kinds."""
 
     def wrap(cls: type[Message]) -> type[Message]:
+        if bytes([command]) in _BY_COMMAND:  # two messages, one byte: a bug
+            raise TypeError(f"command 0x{command:02x} is already "
+                            f"{_BY_COMMAND[bytes([command])].__name__}")
         cls = wire_record(**field_types)(cls)
         cls.COMMAND = bytes([command])
         cls.LIMITS = body_limits
@@ -193,6 +198,22 @@ class Disconnect(Message):
     """Broker -> peer: I do not know you (any more); register again."""
 
     reason: str
+
+
+@_register(0x08, limits.CACHE_REPORT,
+           states=ListOf(ListOf(_INT)), status=PromptCacheStatus)
+class CacheReport(Message):
+    """Worker -> broker: the prompt states it can serve without prefill.
+
+    ``states``: one list of prefix fingerprints (``protocol.prefix``) per
+    state, the live KV sequence first, at most ``limits.MAX_REPORTED_STATES``
+    lists of at most ``prefix.MAX_BLOCKS`` each (``protocol.prompt_cache``).
+    Replaces whatever the worker reported before.
+    """
+
+    states: list[list[int]]
+    status: PromptCacheStatus = dataclasses.field(
+        default_factory=PromptCacheStatus)
 
 
 # --- jobs --------------------------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from protocol.prompt_cache import PromptCacheStatus
 from protocol.records import (
     Count,
     Finite,
@@ -307,7 +308,8 @@ def _per_second(n: int, ms: float) -> float:
 @wire_record(id=_INT, state=_STR, id_task=Optional(_STR), worker_name=_STR,
              host=_STR, pid=_INT, model=_STR, engine=_STR, n_ctx=_INT,
              lease_age_s=Optional(_NUM), lease_taken_at=Optional(_NUM),
-             jobs_served=_INT, progress=Optional(JobProgress))
+             jobs_served=_INT, progress=Optional(JobProgress),
+             prompt_cache=Optional(PromptCacheStatus))
 class SlotStatus(WireRecord):
     """One slot (one worker) in the ledger. Never any prompt text: the broker
     does not have it."""
@@ -328,6 +330,9 @@ class SlotStatus(WireRecord):
     jobs_served: int
     #: The job's last heartbeat; None while idle or before the first beat.
     progress: JobProgress | None = None
+    #: The worker's prompt-state cache, from its last CACHE_REPORT (None
+    #: before the first).
+    prompt_cache: PromptCacheStatus | None = None
 
 
 @wire_record(buckets=ListOf(_NUM), cumulative=ListOf(_INT), sum=_NUM, count=_INT,
@@ -350,7 +355,7 @@ class HistogramSnapshot(WireRecord):
              request_success_total=_INT, request_fail_total=_INT,
              request_cancelled_total=_INT, prompt_seconds_total=_NUM,
              tokens_seconds_total=_NUM, cancel_release_s=HistogramSnapshot,
-             prompt_tokens_cached_total=_INT, n_tokens_max=_INT,
+             prompt_tokens_cached_total=_COUNT, n_tokens_max=_INT,
              n_decode_total=_INT, started_at_unix=_NUM)
 class PoolTotals(WireRecord):
     """Totals over every job the broker saw end (``workers.broker.pool_stats``)."""
@@ -364,7 +369,8 @@ class PoolTotals(WireRecord):
     tokens_seconds_total: float
     #: From cancel (client gone) to the slot being free in the ledger.
     cancel_release_s: HistogramSnapshot
-    #: Prompt tokens reused from a KV cache instead of computed.
+    #: Prompt tokens served from a KV cache or a restored prompt state
+    #: (``prompt_tokens_details.cached_tokens`` summed over every job).
     prompt_tokens_cached_total: int = 0
     #: The longest sequence (prompt + generation) any job reached.
     n_tokens_max: int = 0

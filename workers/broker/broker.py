@@ -85,7 +85,8 @@ class Broker:
         self.metrics = metrics
         self.ctx = ctx or zmq.Context.instance()
         self.ledger = ledger_mod.Ledger(
-            settings.heartbeat_interval_s * settings.heartbeat_liveness
+            settings.heartbeat_interval_s * settings.heartbeat_liveness,
+            prefer_prefix=settings.routing == "prefix",
         )
         self.counters: collections.Counter[str] = collections.Counter()
         self.stats = PoolStats()
@@ -516,7 +517,9 @@ class Broker:
             self.counters["unknown_peer"] += 1
             self._to_worker(ident, messages.Disconnect("unknown worker"))
             return
-        if isinstance(msg, messages.Heartbeat):
+        if isinstance(msg, messages.CacheReport):
+            self.ledger.record_cache_report(slot, msg)
+        elif isinstance(msg, messages.Heartbeat):
             progress = msg.progress
             if progress is not None and slot.job_id and (
                     progress.job_id == slot.job_id):

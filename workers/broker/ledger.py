@@ -21,9 +21,10 @@ import itertools
 import math
 import time
 
-from protocol import messages, timing
+from protocol import limits, messages, timing
 from protocol.payloads import JobProgress, PoolStatus, PoolTotals, SlotStatus
-from protocol.prefix import shared_blocks
+from protocol.prefix import MAX_BLOCKS
+from protocol.prompt_cache import PromptCacheStatus
 
 LOADING = "loading"
 IDLE = "idle"
@@ -53,8 +54,14 @@ class WorkerSlot:
     idle_since: float = 0.0
     #: Said goodbye (SIGTERM): gets no new job, leaves when its job ends.
     draining: bool = False
-    #: Prefix fingerprints of the last prompt it ran: what its KV cache holds.
-    cached_blocks: list = dataclasses.field(default_factory=list)
+    #: Prefix fingerprints of every state the worker can start a prompt
+    #: from (its live KV sequence and its prompt-state cache), from its last
+    #: CACHE_REPORT plus the prompt of any job given to it since. Fingerprint
+    #: ``i`` covers blocks ``0..i``, so the worker holds a prompt's first
+    #: ``k`` blocks exactly when the prompt's ``k``-th is in here.
+    cached_blocks: frozenset = frozenset()
+    #: The figures of its last CACHE_REPORT (for /slots and /metrics).
+    prompt_cache: PromptCacheStatus | None = None
     #: Blocks the current job's prompt shared with that cache when assigned.
     shared_blocks_at_assign: int = 0
     #: The thread count last sent in THREADS (``--threads auto`` workers);
@@ -86,6 +93,21 @@ class FrontendPeer:
     host: str = ""
 
 
+#: Most fingerprints the ledger keeps per worker: a full CACHE_REPORT.
+MAX_HELD_FINGERPRINTS = limits.MAX_REPORTED_STATES * MAX_BLOCKS
+
+
+def held_blocks(held: frozenset, blocks: list) -> int:
+    """How many leading blocks of a prompt (its running fingerprints) a
+    worker holds: fingerprint ``k - 1`` covers all of the first ``k``."""
+    n = 0
+    for fp in blocks:
+        if fp not in held:
+            break
+        n += 1
+    return n
+
+
 class Ledger:
     """Slot bookkeeping for one broker.
 
@@ -93,8 +115,10 @@ class Ledger:
         peer_timeout_s: a peer not heard from for this long is dead.
     """
 
-    def __init__(self, peer_timeout_s: float) -> None:
+    def __init__(self, peer_timeout_s: float, prefer_prefix: bool = True) -> None:
         self.peer_timeout_s = peer_timeout_s
+        #: False (``--routing lru``): ignore what workers hold.
+        self.prefer_prefix = prefer_prefix
         self.workers: dict[bytes, WorkerSlot] = {}
         self.jobs: dict[str, Job] = {}
         self.frontends: dict[bytes, FrontendPeer] = {}
@@ -185,8 +209,9 @@ class Ledger:
                prefix_blocks: list | None = None) -> WorkerSlot | None:
         """Give the job an idle slot, or None if all are busy.
 
-        The idle worker whose cache holds the longest run of the prompt's
-        prefix blocks wins; among equals, the least recently used one.
+        The idle worker that holds the longest run of the prompt's prefix
+        blocks (live or cached) wins; among equals, the least recently used
+        one. A busy holder is never waited for.
         """
         if job_id in self.jobs:
             raise ValueError(f"duplicate job id {job_id!r}")
@@ -196,8 +221,11 @@ class Ledger:
         if not idle:
             return None
         blocks = prefix_blocks or []
-        slot = min(idle, key=lambda w: (-shared_blocks(w.cached_blocks, blocks),
-                                        w.idle_since))
+        if self.prefer_prefix:
+            slot = min(idle, key=lambda w: (-held_blocks(w.cached_blocks, blocks),
+                                            w.idle_since))
+        else:
+            slot = min(idle, key=lambda w: w.idle_since)
         return self._lease(slot, job_id, frontend, now, blocks)
 
     def assign_slot(self, slot_id: int, job_id: str, frontend: bytes, now: float,
@@ -219,8 +247,15 @@ class Ledger:
 
     def _lease(self, slot: WorkerSlot, job_id: str, frontend: bytes, now: float,
                blocks: list) -> WorkerSlot:
-        slot.shared_blocks_at_assign = shared_blocks(slot.cached_blocks, blocks)
-        slot.cached_blocks = blocks
+        slot.shared_blocks_at_assign = held_blocks(slot.cached_blocks, blocks)
+        # The prompt is about to be the worker's live sequence; its next
+        # CACHE_REPORT (sent before the job's terminal frame) says exactly.
+        # A worker that never reports (the synthetic engine) holds just the
+        # last prompt; the cap bounds the set if reports stop arriving.
+        grown = slot.cached_blocks | frozenset(blocks)
+        slot.cached_blocks = (grown if slot.prompt_cache is not None
+                              and len(grown) <= MAX_HELD_FINGERPRINTS
+                              else frozenset(blocks))
         slot.state = BUSY
         slot.job_id = job_id
         slot.lease_taken_at = now
@@ -228,6 +263,13 @@ class Ledger:
         slot.progress_at = None
         self.jobs[job_id] = Job(job_id, frontend, slot.identity, now)
         return slot
+
+    def record_cache_report(self, slot: WorkerSlot,
+                            report: messages.CacheReport) -> None:
+        """What the worker holds now (replaces what it said before)."""
+        slot.cached_blocks = frozenset(
+            fp for state in report.states for fp in state[:MAX_BLOCKS])
+        slot.prompt_cache = report.status
 
     def job_heard(self, job_id: str) -> None:
         """The job's worker showed it has the job (stops its deadline)."""
@@ -352,6 +394,7 @@ class Ledger:
                 else wall_now - (now - w.lease_taken_at),
                 jobs_served=w.jobs_served,
                 progress=w.progress,
+                prompt_cache=w.prompt_cache,
             )
             for w in sorted(self.workers.values(), key=lambda w: w.slot_id)
         ]

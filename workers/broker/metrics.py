@@ -48,6 +48,11 @@ class PoolCollector:
                       stats.prompt_seconds_total)
         yield counter("llama_tokens_seconds_total", "Token generation time",
                       stats.tokens_seconds_total)
+        yield counter("llamapool_prompt_tokens_cached_total",
+                      "Prompt tokens served from a KV cache or a restored "
+                      "prompt state (usage.prompt_tokens_details.cached_tokens)",
+                      stats.prompt_tokens_cached_total)
+        yield from prompt_cache_families(snap)
         yield gauge("llama_kv_cache_usage_level",
                     "KV cache fill (0-1), mean over busy slots",
                     snap.kv_cache_usage_level)
@@ -112,6 +117,37 @@ class PoolCollector:
             "From cancel (client gone) to the slot being free in the ledger",
             buckets=buckets, sum_value=release.sum,
         )
+
+
+def prompt_cache_families(snap: PoolStatus):
+    """The workers' prompt-state caches, summed over the slots in the ledger
+    (each from its worker's last CACHE_REPORT). Hits, misses and evictions
+    are the workers' own counters: a worker that leaves takes its share
+    with it, which Prometheus reads as a counter reset."""
+    caches = [s.prompt_cache for s in snap.slots if s.prompt_cache is not None]
+
+    def total(field: str) -> int:
+        return sum(getattr(c, field) for c in caches)
+
+    for name, doc, field in (
+            ("hits", "Jobs that restored a saved prompt state", "hits"),
+            ("misses", "Jobs of a block or more that found no cached prefix",
+             "misses"),
+            ("evictions", "Prompt states evicted to stay inside --cache-ram",
+             "evictions"),
+            ("dropped", "Prompt states refused or dropped (larger than the "
+             "limit, or failed to restore)", "dropped")):
+        yield CounterMetricFamily(f"llamapool_prompt_cache_{name}_total", doc,
+                                  value=total(field))
+    yield GaugeMetricFamily("llamapool_prompt_cache_bytes",
+                            "Bytes of saved prompt states in all workers",
+                            value=total("bytes_used"))
+    yield GaugeMetricFamily("llamapool_prompt_cache_limit_bytes",
+                            "Sum of the workers' --cache-ram limits",
+                            value=total("bytes_limit"))
+    yield GaugeMetricFamily("llamapool_prompt_cache_states",
+                            "Saved prompt states in all workers",
+                            value=total("states"))
 
 
 class LatestSnapshotCollector:

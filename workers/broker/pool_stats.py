@@ -65,6 +65,7 @@ class PoolStats:
 
     def __init__(self) -> None:
         self.prompt_tokens = 0
+        self.prompt_tokens_cached = 0
         self.tokens_generated = 0
         self.request_success = 0
         self.request_fail = 0
@@ -72,7 +73,6 @@ class PoolStats:
         self.tokens_seconds = 0.0
         self.cancelled = 0
         self.release_after_cancel = FixedHistogram(RELEASE_BUCKETS_S)
-        self.prompt_tokens_cached = 0
         self.n_tokens_max = 0
         self.n_decode = 0
         self.started_at_unix = time.time()
@@ -82,10 +82,10 @@ class PoolStats:
         if isinstance(msg, messages.Final):
             # Typed and range-checked on decode (``protocol.payloads``).
             self.prompt_tokens += msg.timings.prompt_n
+            self.prompt_tokens_cached += msg.usage.cached_tokens
             self.tokens_generated += msg.usage.completion_tokens
             self.prompt_seconds += msg.timings.prompt_ms / 1000
             self.tokens_seconds += msg.timings.predicted_ms / 1000
-            self.prompt_tokens_cached += msg.usage.cached_tokens
             self.n_tokens_max = max(self.n_tokens_max, msg.usage.total_tokens)
             # Each worker decodes one sequence at a time: the prompt's
             # computed part in one evaluation (llama.cpp splits it into

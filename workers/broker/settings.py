@@ -17,6 +17,14 @@ the default (``protocol.settings.load``). Every default is documented here:
 | LLAMAPOOL_MAX_WORKERS                | 1024       | more registrations are refused   |
 | LLAMAPOOL_FIRST_FRAME_TIMEOUT_S      | 30.0       | job fails if its worker is mute  |
 | LLAMAPOOL_STEP_DOWN_WAIT_S           | 0.25       | SUBMIT waits for step-downs      |
+| LLAMAPOOL_ROUTING                    | prefix     | prefix or lru (see below)        |
+
+``routing``: ``prefix`` gives a job to the idle worker that holds the most of
+its prompt's prefix blocks, live or in its prompt-state cache (each worker
+reports them, ``protocol.prompt_cache``), the least recently used one among
+equals; ``lru`` ignores prefixes (the least recently used idle worker), to
+measure what prefix routing gains. Either way a job never waits for a busy
+worker that holds its prefix: it goes to another idle one, or gets NO_SLOT.
 
 ``max_workers`` bounds the ledger (and with it every STATUS reply and the
 per-host restart table): a flood of fake registrations beyond it gets
@@ -48,6 +56,9 @@ from protocol.settings import ConfigError, setting
 
 #: The most workers one STATUS reply can describe (``protocol.limits``).
 MAX_WORKERS_LIMIT = 10_000
+
+#: ``--routing``: how the broker picks among idle workers (``workers.broker.ledger``).
+ROUTING_POLICIES = ("prefix", "lru")
 assert MAX_WORKERS_LIMIT * limits.MAX_SLOT_STATUS_BYTES <= (
     limits.MAX_STATUS_REPLY_BYTES)
 
@@ -86,11 +97,16 @@ class BrokerSettings:
         30.0, "LLAMAPOOL_FIRST_FRAME_TIMEOUT_S", "job fails if its worker is mute")
     step_down_wait_s: float = setting(
         0.25, "LLAMAPOOL_STEP_DOWN_WAIT_S", "SUBMIT waits for step-downs")
+    routing: str = setting(
+        "prefix", "LLAMAPOOL_ROUTING", "prefix or lru (see below)")
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_workers <= MAX_WORKERS_LIMIT:
             raise ConfigError(f"LLAMAPOOL_MAX_WORKERS={self.max_workers} must be "
                               f"between 1 and {MAX_WORKERS_LIMIT}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ConfigError(f"LLAMAPOOL_ROUTING={self.routing!r} must be one of "
+                              f"{', '.join(ROUTING_POLICIES)}")
         if not self.first_frame_timeout_s > 0:
             raise ConfigError("LLAMAPOOL_FIRST_FRAME_TIMEOUT_S must be positive")
         if not 0 <= self.step_down_wait_s <= 10:

@@ -29,4 +29,5 @@ def load_engine(settings: WorkerSettings) -> Engine:
         chat_format=settings.chat_format,
         model_name=settings.model_name or None,
         embedding_batch_tokens=settings.embedding_batch_tokens,
+        cache_ram_mib=settings.cache_ram_mib,
     )

@@ -18,7 +18,6 @@ import llama_cpp
 from protocol import defaults
 from protocol.errors import ErrorCode
 from protocol.payloads import EMBEDDING, GenerationRequest
-from workers.model import kv_cache
 from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.embedding import DEFAULT_EMBEDDING_BATCH_TOKENS, Embedder
 from workers.model.engine import (
@@ -31,6 +30,8 @@ from workers.model.engine import (
 )
 from workers.model.grammar import GrammarError
 from workers.model.logits import MAX_BIASED_TOKENS, BiasError, RequestLogits
+from workers.model.prompt_cache import MIB, PromptStateCache
+from workers.model.prompt_reuse import PromptReuse
 from workers.model.prompting import PromptBuilder, PromptError, ToolsUnsupported
 from workers.model.tokenizing import PromptTooLong, TokenizeCancelled
 
@@ -38,6 +39,13 @@ log = logging.getLogger("llamapool.worker")
 
 #: llama.cpp pads the context size to a multiple of this.
 CTX_GRANULARITY = 256
+
+def model_identity(model_path: str) -> str:
+    """What a prompt state is tied to: the model file, by path, size and
+    modification time (a state never loads into another model)."""
+    st = os.stat(model_path)
+    return f"{os.path.realpath(model_path)}:{st.st_size}:{st.st_mtime_ns}"
+
 
 class LlamaEngine:
     """Serves one request at a time from one ``llama_cpp.Llama``."""
@@ -54,6 +62,7 @@ class LlamaEngine:
         chat_format: str | None = None,
         model_name: str | None = None,
         embedding_batch_tokens: int = DEFAULT_EMBEDDING_BATCH_TOKENS,
+        cache_ram_mib: int = 0,
     ) -> None:
         # llama.cpp rounds the context up to a multiple of 256, but Llama sizes
         # its token record (input_ids) to the number passed in: past that
@@ -77,6 +86,10 @@ class LlamaEngine:
         #: Embedding jobs run in a second context, made on the first one.
         self.embedder = Embedder(self.llama, self.prompts, n_threads=n_threads,
                                  batch_tokens=embedding_batch_tokens)
+        #: Saved prompt states (``--cache-ram``), and the one place that
+        #: decides what a prompt starts from.
+        self.reuse = PromptReuse(self.llama, PromptStateCache(
+            cache_ram_mib * MIB, model_identity(model_path)))
         # Token ids that end generation (EOS, EOT, ...). ignore_eos bans them.
         self._eog_ids = [
             t
@@ -151,7 +164,8 @@ class LlamaEngine:
                   prompt: list[int], extra_stops: list[str], max_tokens: int,
                   logits: RequestLogits, started: float) -> GenerationResult:
         sampling = request.sampling
-        plan = kv_cache.plan_reuse(self.llama, prompt, request.cache_prompt)
+        # cache_prompt false (llama.cpp's native field): nothing reused.
+        plan = self.reuse.prepare(prompt, reuse=request.cache_prompt)
         grammar, logprobs = logits.grammar, logits.logprobs
 
         self._follow_thread_budget(sink)
@@ -242,6 +256,11 @@ class LlamaEngine:
             # Keep Llama's own record true too.
             self.llama.n_threads = self.llama.n_threads_batch = wanted
             self.n_threads = wanted
+
+    def prompt_cache_report(self) -> tuple[list[list[int]], object]:
+        """What CACHE_REPORT carries: fingerprint lists (live sequence
+        first) and the cache's figures (``protocol.prompt_cache``)."""
+        return self.reuse.reported_blocks(), self.reuse.cache.status()
 
     def _tokenize_bias(self, text: str) -> list[int]:
         """The tokens of a ``logit_bias`` text key, as llama.cpp's server

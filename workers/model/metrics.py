@@ -31,6 +31,23 @@ class WorkerCollector:
                                   "Exceptions caught in the broker link's "
                                   "callbacks (logged; the link went on)",
                                   value=w.link_callback_errors)
+        report = w.cache_report
+        if report is not None:
+            c = report.status
+            yield CounterMetricFamily("llamapool_worker_prompt_cache_hits_total",
+                                      "Jobs that restored a saved prompt state",
+                                      value=c.hits)
+            yield CounterMetricFamily("llamapool_worker_prompt_cache_misses_total",
+                                      "Jobs that found no cached prefix",
+                                      value=c.misses)
+            yield CounterMetricFamily(
+                "llamapool_worker_prompt_cache_evictions_total",
+                "Prompt states evicted to stay inside --cache-ram",
+                value=c.evictions)
+            yield GaugeMetricFamily("llamapool_worker_prompt_cache_bytes",
+                                    "Bytes of saved prompt states", value=c.bytes_used)
+            yield GaugeMetricFamily("llamapool_worker_prompt_cache_states",
+                                    "Saved prompt states", value=c.states)
         yield GaugeMetricFamily("llamapool_worker_loaded",
                                 "1 once the model has loaded",
                                 value=0 if w.engine is None else 1)

@@ -26,6 +26,7 @@ worker process does. Every default is documented here:
 | LLAMAPOOL_CURVE_SERVER_KEY     | (none)      | the broker's public .key (CURVE)  |
 | LLAMAPOOL_CURVE_SECRET_KEY     | (none)      | own .key_secret (CURVE)           |
 | LLAMAPOOL_WORKER_METRICS_PORT  | 0           | port for own /metrics (0: off)    |
+| LLAMAPOOL_CACHE_RAM            | 2048        | saved prompt states, MiB (0: off) |
 """
 
 from __future__ import annotations
@@ -96,6 +97,13 @@ class WorkerSettings:
     metrics_port: int = setting(
         0, "LLAMAPOOL_WORKER_METRICS_PORT", "port for own /metrics (0: off)")
 
+    #: The prompt-state cache (``workers.model.prompt_cache``). A Gemma 3
+    #: 270M state costs 10-18 KiB per token (BENCHMARKS.md section 12): 2 GiB
+    #: holds ~200 conversations of 1000 tokens, and two workers stay far
+    #: inside a 24 GiB machine.
+    cache_ram_mib: int = setting(
+        2048, "LLAMAPOOL_CACHE_RAM", "saved prompt states, MiB (0: off)")
+
     def __post_init__(self) -> None:
         split_endpoints(self.broker_endpoint)  # ConfigError if empty or repeated
         threads = str(self.n_threads).strip()
@@ -107,6 +115,8 @@ class WorkerSettings:
         if not 0 <= self.pool_cores <= limits.MAX_THREADS:
             raise ConfigError(f"LLAMAPOOL_POOL_CORES={self.pool_cores}: from 1 "
                               f"to {limits.MAX_THREADS} (0: the usable CPUs)")
+        if self.cache_ram_mib < 0:
+            raise ConfigError("LLAMAPOOL_CACHE_RAM must be 0 (off) or more MiB")
         # The broker drops a READY with longer names as malformed
         # (``protocol.limits``): refuse at startup instead of never
         # registering.

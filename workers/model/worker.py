@@ -275,6 +275,9 @@ class ModelWorker(LinkHandler):
         #: time: see ``broker_choice``).
         self.brokers = BrokerChoice(split_endpoints(settings.broker_endpoint),
                                     self.name)
+        #: The last CACHE_REPORT built (replaced whole; read by the link
+        #: thread and by metrics).
+        self.cache_report: messages.CacheReport | None = None
         self._link = BrokerConnection(
             self.brokers.current, self,
             heartbeat_interval_s=settings.heartbeat_interval_s,
@@ -380,7 +383,26 @@ class ModelWorker(LinkHandler):
                                  "generation failed")
         self.jobs_done += 1
         self.busy = False
+        # Before the terminal frame: the broker frees the slot on that frame
+        # and may route the next job at once, by what this report says.
+        report = self._cache_report()
+        if report is not None:
+            self._link.send(report)
         self._link.send(msg)
+
+    def _cache_report(self) -> messages.CacheReport | None:
+        """What the engine holds now (None: an engine without a prompt
+        cache). Also kept for a READY to a new broker, and for metrics."""
+        report_of = getattr(self.engine, "prompt_cache_report", None)
+        if report_of is None:
+            return None
+        try:
+            states, status = report_of()
+        except Exception:  # never lose the job's terminal frame over it
+            log.exception("building the prompt-cache report failed")
+            return None
+        self.cache_report = messages.CacheReport(states, status)
+        return self.cache_report
 
     # --- the link thread (LinkHandler) -------------------------------------------
 
@@ -401,6 +423,9 @@ class ModelWorker(LinkHandler):
         if (self._registration.needs_ready(now) and self._job is None
                 and self.engine is not None and not stopping):
             self._link.send(self._ready_message())
+            if self.cache_report is not None:
+                # A new broker (or one that forgot us) learns what we hold.
+                self._link.send(self.cache_report)
             self._registration.ready_sent(now)
             log.info("worker %s sent READY", self.name)
         if stopping and self._grace_deadline is None:
@@ -424,7 +449,8 @@ class ModelWorker(LinkHandler):
         return messages.Heartbeat(job.progress() if job is not None else None)
 
     def forward(self, msg: messages.Message) -> bool:
-        # Everything the main thread sends is a frame of the current job.
+        # Everything the main thread sends is a frame of the current job
+        # (or, just before its terminal frame, the CACHE_REPORT it caused).
         job = self._job
         if isinstance(msg, messages.ThreadsSet):
             return True  # about the worker, not the job

@@ -1,0 +1,108 @@
+"""The prompt-state cache inside one engine (the real tiny model, in process):
+a state that is damaged, from another model, or larger than the limit is
+dropped, counted, and the prompt is prefilled cold; never a crash."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from protocol.payloads import GenerationRequest, Sampling
+from workers.model.llama_engine import LlamaEngine
+from workers.model.prompt_cache import PromptStateCache
+
+A = "the cat sat on the mat " * 15
+B = "a stitch in time saves nine " * 15
+MORE = " and then the user said something else entirely"
+
+
+def flipped(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes(b ^ 0x5A for b in data[at:at + 64]) + data[at + 64:]
+
+
+class Sink:
+    def emit(self, *args, **kwargs) -> None:
+        pass
+
+    def should_stop(self) -> bool:
+        return False
+
+    def wait_for_credit(self) -> bool:
+        return True
+
+    def report_progress(self, *args) -> None:
+        pass
+
+
+def run(engine: LlamaEngine, prompt: str):
+    request = GenerationRequest(kind="completion", prompt=prompt, max_tokens=12,
+                                sampling=Sampling(temperature=0.0, ignore_eos=True))
+    return engine.run(request, Sink())
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return LlamaEngine(str(tiny_model), n_ctx=1024, n_threads=1, cache_ram_mib=16)
+
+
+@pytest.fixture(scope="module")
+def cold_text(tiny_model):
+    """A + MORE prefilled from an empty KV cache, by an engine with no cache."""
+    cold = LlamaEngine(str(tiny_model), n_ctx=1024, n_threads=1, cache_ram_mib=0)
+    result = run(cold, A + MORE)
+    assert result.cached_tokens == 0
+    return result.tail_text
+
+
+def _saved_a(engine: LlamaEngine):
+    """Run A then B, so that A's state is saved; return its key and state."""
+    cache = engine.reuse.cache
+    run(engine, A)
+    run(engine, B)
+    key, shared = cache.longest_prefix(engine.prompts.llama.tokenize(A.encode()))
+    assert key is not None and shared > 100
+    return key, cache._states[key]
+
+
+@pytest.mark.parametrize("damage", [
+    lambda s: dataclasses.replace(s, data=s.data[: len(s.data) // 2]),
+    # 64 bytes flipped among the KV values: llama.cpp alone would load it.
+    lambda s: dataclasses.replace(s, data=flipped(s.data, len(s.data) // 2)),
+    lambda s: dataclasses.replace(s, model_id="another-model.gguf:1:1"),
+], ids=["truncated", "corrupted", "other-model"])
+def test_an_unusable_state_is_dropped_and_the_prompt_runs_cold(
+        engine, cold_text, damage):
+    cache = engine.reuse.cache
+    key, state = _saved_a(engine)
+    cache._states[key] = damage(state)
+    dropped = cache.dropped
+    result = run(engine, A + MORE)
+    assert result.cached_tokens <= 1
+    assert result.tail_text == cold_text
+    assert cache.dropped == dropped + 1
+    # And the next turn of the same conversation uses the live sequence.
+    assert run(engine, A + MORE + " yes").cached_tokens > 100
+
+
+def test_a_restored_state_generates_what_a_cold_prefill_does(engine, cold_text):
+    _saved_a(engine)
+    hits = engine.reuse.cache.hits
+    result = run(engine, A + MORE)
+    assert result.cached_tokens > 100
+    assert engine.reuse.cache.hits == hits + 1
+    assert result.tail_text == cold_text
+
+
+def test_a_state_larger_than_the_limit_is_not_kept(engine):
+    full = engine.reuse.cache
+    # A limit below one state of the tiny model (~0.1 MiB at 200 tokens).
+    engine.reuse.cache = small = PromptStateCache(4096, full.model_id)
+    try:
+        run(engine, A)
+        run(engine, B)
+        assert small.dropped >= 1
+        assert len(small) == 0 and small.bytes_used == 0
+        assert run(engine, A + MORE).cached_tokens <= 1
+    finally:
+        engine.reuse.cache = full

@@ -1,0 +1,153 @@
+"""Which cached tokens a prompt starts from: the live KV sequence or a saved state.
+
+``prepare`` is the one decision. It compares the prefix the live KV sequence
+can serve (``kv_cache.reusable_prefix``) with the longest prefix among the
+saved states (``prompt_cache.PromptStateCache``); the longer one wins, even
+when that means replacing the sequence already loaded (llama.cpp's server
+stops at the loaded one, ggml-org/llama.cpp#28276). Before the live sequence
+is cut by more than a block of tokens, it is saved. Then ``kv_cache.plan_reuse``
+trims the KV cache exactly as it did before there was a cache.
+
+States are per sequence (``llama_state_seq_get_data`` / ``set_data`` on
+sequence 0): the KV cells only. The whole-context ``Llama.save_state`` also
+copies the logits of every batch position (n_batch x n_vocab floats, 512 MB
+for Gemma's 262 k vocabulary at n_batch 512), which a restore does not need:
+the last prompt token is always evaluated again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+
+import llama_cpp
+import numpy as np
+
+from protocol.prefix import prefix_blocks
+from workers.model import kv_cache
+from workers.model.prompt_cache import MIN_STATE_TOKENS, PromptStateCache
+
+log = logging.getLogger("llamapool.worker")
+
+_SEQ = 0
+
+
+class PromptReuse:
+    """The KV cache of one ``Llama`` plus its saved prompt states."""
+
+    def __init__(self, llama: llama_cpp.Llama, cache: PromptStateCache) -> None:
+        self.llama = llama
+        self.cache = cache
+
+    # --- the decision ---
+
+    def prepare(self, prompt: Sequence[int], reuse: bool = True
+                ) -> kv_cache.ReusePlan:
+        """Load the best starting state for ``prompt`` and trim the KV cache.
+
+        Args:
+            prompt: Full prompt token ids (non-empty).
+            reuse: False: start from an empty cache whatever is there
+                (the live sequence is still saved first). A request flag such
+                as llama.cpp's ``cache_prompt: false`` maps to this.
+
+        Returns:
+            ``kv_cache.plan_reuse``'s plan: the suffix to evaluate.
+        """
+        live = kv_cache.reusable_prefix(self.llama, prompt) if reuse else 0
+        key, stored = (self.cache.longest_prefix(prompt) if reuse
+                       else (None, 0))
+        # The last prompt token is always evaluated again.
+        stored = min(stored, len(prompt) - 1)
+        # A restore costs tens of ms (BENCHMARKS.md section 12): worth it for a
+        # block of tokens or more, not for a chat template's first few.
+        use_stored = stored - live >= MIN_STATE_TOKENS
+        # What of the live sequence survives this job: worth a saved state
+        # when it loses at least a block (not the few tokens by which a
+        # chat turn's re-rendered reply differs from the generated one).
+        surviving = 0 if use_stored or not reuse else live
+        live_len = self.live_length()
+        if self.cache.enabled and live_len - surviving >= MIN_STATE_TOKENS:
+            self._save_live(live_len)
+        restored = use_stored and self._restore(key)
+        if not reuse:
+            self._clear()
+        plan = kv_cache.plan_reuse(self.llama, prompt)
+        if restored and plan.cached_tokens > live:
+            self.cache.hits += 1
+        elif (self.cache.enabled and len(prompt) > MIN_STATE_TOKENS
+              and plan.cached_tokens < MIN_STATE_TOKENS):
+            self.cache.misses += 1
+        return plan
+
+    # --- llama.cpp state ---
+
+    def live_length(self) -> int:
+        """Tokens of the live sequence that both Python and the KV cache hold."""
+        mem = llama_cpp.llama_get_memory(self.llama._ctx.ctx)
+        if mem is None:
+            return 0
+        pos_max = llama_cpp.llama_memory_seq_pos_max(mem, _SEQ)
+        return max(0, min(self.llama.n_tokens, pos_max + 1,
+                          len(self.llama.input_ids)))
+
+    def _save_live(self, n: int) -> None:
+        mem = llama_cpp.llama_get_memory(self.llama._ctx.ctx)
+        # An SWA cache that already evicted the start of the sequence
+        # (swa_full off) could only serve prompts ending near its end.
+        if llama_cpp.llama_memory_seq_pos_min(mem, _SEQ) > 0:
+            return
+        ctx = self.llama._ctx.ctx
+        size = llama_cpp.llama_state_seq_get_size(ctx, _SEQ)
+        if size <= 0 or size + 4 * n > self.cache.limit_bytes:
+            self.cache.dropped += 1
+            return
+        buf = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(ctx, buf, size, _SEQ)
+        if written <= 0 or written > size:
+            log.warning("saving a prompt state failed (%d of %d bytes)",
+                        written, size)
+            self.cache.dropped += 1
+            return
+        self.cache.put(self.llama.input_ids[:n], ctypes.string_at(buf, written))
+
+    def _restore(self, key: int) -> bool:
+        """Load a saved state as the live sequence; False (and an empty KV
+        cache) if it cannot be used, which then is dropped."""
+        state = self.cache.take(key)
+        if state is None:
+            return False
+        n = len(state.tokens)
+        ok = (state.model_id == self.cache.model_id
+              and n <= len(self.llama.input_ids) and state.intact())
+        if ok:
+            self._clear()
+            data = state.data
+            buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+            read = llama_cpp.llama_state_seq_set_data(
+                self.llama._ctx.ctx, buf, len(data), _SEQ)
+            ok = read == len(data)
+        if not ok:
+            log.warning("a cached prompt state could not be restored (%d tokens, "
+                        "%d bytes); dropped it", n, len(state.data))
+            self.cache.dropped += 1
+            self._clear()
+            return False
+        self.llama.input_ids[:n] = state.tokens
+        self.llama.n_tokens = n
+        return True
+
+    def _clear(self) -> None:
+        mem = llama_cpp.llama_get_memory(self.llama._ctx.ctx)
+        if mem is not None:
+            llama_cpp.llama_memory_clear(mem, True)
+        self.llama.n_tokens = 0
+
+    # --- what the broker is told ---
+
+    def reported_blocks(self) -> list[list[int]]:
+        """Fingerprints of the live sequence, then of the saved states."""
+        live = self.live_length()
+        live_blocks = prefix_blocks(np.asarray(self.llama.input_ids[:live]).tolist())
+        return [live_blocks, *self.cache.reported_blocks()]
