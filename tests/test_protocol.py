@@ -197,3 +197,12 @@ def test_messages_are_frozen():
     msg = messages.Cancel("j")
     with pytest.raises(dataclasses.FrozenInstanceError):
         msg.job_id = "other"
+
+
+def test_two_messages_cannot_share_a_command_byte():
+    """Two branches once both took 0x06; the registry kept the later one and
+    the earlier message could no longer be decoded."""
+    with pytest.raises(TypeError, match="already"):
+        @messages._register(messages.Threads.COMMAND[0], n_threads=int)
+        class Again(messages.Message):
+            n_threads: int

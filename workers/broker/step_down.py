@@ -5,7 +5,7 @@ a second job lands there, the first must drop to its share *before* the
 second starts: llama.cpp's threads meet at a barrier after every operation,
 so a decode whose threads outnumber the free cores does not run a little
 slower, it stalls (measured: one such token took 179 ms at p50 and 752 ms at
-worst, against about 15 ms normally; BENCHMARKS.md section 9).
+worst, against about 15 ms normally; BENCHMARKS.md section 10).
 
 So the broker sends THREADS to the workers that must step down and holds the
 new job's SUBMIT until each of them answers THREADS_SET (sent by the worker's
