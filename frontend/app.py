@@ -237,6 +237,9 @@ def public_slot(slot: SlotStatus) -> dict:
         # (None: it has not reported, e.g. the synthetic engine).
         "prompt_cache": None if slot.prompt_cache is None
         else dataclasses.asdict(slot.prompt_cache),
+        # Where the model's layers are: GPU layers asked and really offloaded
+        # (0 on a CPU build), and the devices the worker sees.
+        "gpu": None if slot.gpu is None else dataclasses.asdict(slot.gpu),
     }
 
 

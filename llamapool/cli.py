@@ -138,6 +138,14 @@ def _add_model_flags(p: argparse.ArgumentParser, cls: type) -> None:
                       "GGUF's Jinja template (default: template if present)")
 
 
+def _gpu_list(text: str) -> list[str]:
+    """``0,1``: device ids as CUDA_VISIBLE_DEVICES takes them."""
+    ids = [part.strip() for part in text.split(",")]
+    if not all(ids) or len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: distinct ids, comma-separated")
+    return ids
+
+
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     W = WorkerSettings
     setting_flag(p, "--threads", W, "n_threads", type=_threads)
@@ -147,6 +155,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                  type=_positive_int)
     setting_flag(p, "--cache-ram", W, "cache_ram_mib", type=_non_negative_int,
                  metavar="MIB")
+    setting_flag(p, "--gpu-layers", W, "gpu_layers", type=int, metavar="N")
     _add_model_flags(p, W)
 
 
@@ -203,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=_positive_int, default=2)
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8080)
+    up.add_argument("--gpus", type=_gpu_list, default=None, metavar="0,1",
+                    help="GPU ids: worker i sees only the (i mod N)-th "
+                         "(CUDA_VISIBLE_DEVICES); with --gpu-layers")
     _add_key_flags(up)
     _add_worker_flags(up)
     _add_liveness_flags(up, WorkerSettings)

@@ -58,10 +58,13 @@ def _die_with_parent() -> None:
 class Child:
     """One supervised process of role ``role`` (broker, worker or frontend)."""
 
-    def __init__(self, name: str, role: str, argv: list[str]) -> None:
+    def __init__(self, name: str, role: str, argv: list[str],
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
         self.role = role
         self.argv = argv
+        #: Variables set for this child on top of the supervisor's own.
+        self.env = env or {}
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.backoff_s = 1.0
@@ -72,7 +75,8 @@ class Child:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            self.argv, start_new_session=True, preexec_fn=_die_with_parent
+            self.argv, start_new_session=True, preexec_fn=_die_with_parent,
+            env={**os.environ, **self.env} if self.env else None,
         )
         self.started_at = time.monotonic()
 
@@ -176,7 +180,8 @@ def run_up(args: argparse.Namespace) -> int:
                                       "pool_cores": "--pool-cores",
                                       "model_name": "--model-name",
                                       "embedding_batch_tokens": "--embedding-batch",
-                                      "cache_ram_mib": "--cache-ram"})]
+                                      "cache_ram_mib": "--cache-ram",
+                                      "gpu_layers": "--gpu-layers"})]
     frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
                      "--bind", f"{args.host}:{args.port}", "--model", model,
                      *shared, *liveness,
@@ -185,7 +190,12 @@ def run_up(args: argparse.Namespace) -> int:
 
     broker = Child("broker", "broker", [*cli, "broker", "--frontends", frontends_ep,
                                         "--workers", workers_ep, *liveness])
-    workers = [Child(f"worker-{i}", "worker", worker_argv)
+    # --gpus 0,1: each worker sees one device, in turn (llama.cpp then uses
+    # the only device it sees); a restarted worker keeps its device.
+    gpus = getattr(args, "gpus", None)
+    workers = [Child(f"worker-{i}", "worker", worker_argv,
+                     env=({"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
+                          if gpus else None))
                for i in range(args.workers)]
     frontend = Child("frontend", "frontend", frontend_argv)
     children = [broker, *workers, frontend]

@@ -39,6 +39,7 @@ import msgpack
 from protocol import limits
 from protocol.payloads import (
     GenerationRequest,
+    GpuPlacement,
     JobProgress,
     PoolStatus,
     Timings,
@@ -130,7 +131,7 @@ def _register(command: int, body_limits: limits.BodyLimits = limits.SMALL,
 
 
 @_register(0x01, worker_name=_NAME, model=_NAME, n_ctx=_INT, pid=_INT,
-           host=_HOST, engine=_NAME, pool_cores=_POOL_CORES)
+           host=_HOST, engine=_NAME, pool_cores=_POOL_CORES, gpu=GpuPlacement)
 class Ready(Message):
     """Worker -> broker: the model is loaded and this worker is idle.
 
@@ -146,6 +147,8 @@ class Ready(Message):
     host: str
     engine: str = "llama.cpp"
     pool_cores: int = 0
+    #: Where the model's layers are (``--gpu-layers``, ``CUDA_VISIBLE_DEVICES``).
+    gpu: GpuPlacement = dataclasses.field(default_factory=GpuPlacement)
 
 
 @_register(0x05, worker_name=_NAME, model=_NAME, pid=_INT, host=_HOST)

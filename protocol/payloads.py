@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from protocol import limits
 from protocol.prompt_cache import PromptCacheStatus
 from protocol.records import (
     Count,
@@ -38,6 +39,7 @@ from protocol.records import (
     NonNegative,
     OneOf,
     Optional,
+    Text,
     WireRecord,
     wire_record,
 )
@@ -305,11 +307,27 @@ def _per_second(n: int, ms: float) -> float:
 # --- pool status (the STATUS reply) -------------------------------------------------
 
 
+@wire_record(layers_requested=_INT, layers_offloaded=_COUNT,
+             devices=Text(limits.MAX_NAME_CHARS))
+class GpuPlacement(WireRecord):
+    """Where a worker's model layers are (``/slots``).
+
+    ``layers_requested``: ``--gpu-layers`` as llama.cpp was given it (-1: all).
+    ``layers_offloaded``: how many are on a GPU: 0 for a CPU-only build of
+    llama.cpp, whatever was requested. ``devices``: the worker's
+    ``CUDA_VISIBLE_DEVICES`` ("" when unset: every device, or none).
+    """
+
+    layers_requested: int = 0
+    layers_offloaded: int = 0
+    devices: str = ""
+
+
 @wire_record(id=_INT, state=_STR, id_task=Optional(_STR), worker_name=_STR,
              host=_STR, pid=_INT, model=_STR, engine=_STR, n_ctx=_INT,
              lease_age_s=Optional(_NUM), lease_taken_at=Optional(_NUM),
              jobs_served=_INT, progress=Optional(JobProgress),
-             prompt_cache=Optional(PromptCacheStatus))
+             prompt_cache=Optional(PromptCacheStatus), gpu=Optional(GpuPlacement))
 class SlotStatus(WireRecord):
     """One slot (one worker) in the ledger. Never any prompt text: the broker
     does not have it."""
@@ -333,6 +351,8 @@ class SlotStatus(WireRecord):
     #: The worker's prompt-state cache, from its last CACHE_REPORT (None
     #: before the first).
     prompt_cache: PromptCacheStatus | None = None
+    #: Where its model's layers are (None: a worker of an older version).
+    gpu: GpuPlacement | None = None
 
 
 @wire_record(buckets=ListOf(_NUM), cumulative=ListOf(_INT), sum=_NUM, count=_INT,

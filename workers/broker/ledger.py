@@ -395,6 +395,7 @@ class Ledger:
                 jobs_served=w.jobs_served,
                 progress=w.progress,
                 prompt_cache=w.prompt_cache,
+                gpu=w.info.gpu,
             )
             for w in sorted(self.workers.values(), key=lambda w: w.slot_id)
         ]

@@ -12,7 +12,13 @@ import time
 from typing import Protocol
 
 from protocol.errors import ErrorCode, context_exceeded_message
-from protocol.payloads import GenerationRequest, Timings, TokenLogprob, Usage
+from protocol.payloads import (
+    GenerationRequest,
+    GpuPlacement,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
 from workers.model.stop_strings import StopStringFilter
 
 
@@ -216,6 +222,8 @@ class Engine(Protocol):
     name: str
     model_name: str
     n_ctx: int
+    #: Where the model's layers are (``/slots``).
+    gpu: GpuPlacement
 
     def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
         """Generate for one request. Raises ``RequestRejected`` up front.

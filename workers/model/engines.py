@@ -30,4 +30,5 @@ def load_engine(settings: WorkerSettings) -> Engine:
         model_name=settings.model_name or None,
         embedding_batch_tokens=settings.embedding_batch_tokens,
         cache_ram_mib=settings.cache_ram_mib,
+        n_gpu_layers=settings.gpu_layers,
     )

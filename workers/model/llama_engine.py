@@ -17,7 +17,7 @@ import llama_cpp
 
 from protocol import defaults
 from protocol.errors import ErrorCode
-from protocol.payloads import EMBEDDING, GenerationRequest
+from protocol.payloads import EMBEDDING, GenerationRequest, GpuPlacement
 from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.embedding import DEFAULT_EMBEDDING_BATCH_TOKENS, Embedder
 from workers.model.engine import (
@@ -47,6 +47,21 @@ def model_identity(model_path: str) -> str:
     return f"{os.path.realpath(model_path)}:{st.st_size}:{st.st_mtime_ns}"
 
 
+
+def gpu_placement(llama: llama_cpp.Llama) -> GpuPlacement:
+    """Where a loaded model's layers are. llama.cpp offloads up to its layer
+    count plus the output layer; a CPU-only build offloads nothing, whatever
+    was asked (``llama_supports_gpu_offload``)."""
+    requested = llama.model_params.n_gpu_layers
+    if requested >= 0x7FFFFFFF:  # llama-cpp-python's spelling of -1 (all)
+        requested = -1
+    n_layer = llama_cpp.llama_model_n_layer(llama._model.model) + 1
+    offloaded = 0
+    if llama_cpp.llama_supports_gpu_offload():
+        offloaded = n_layer if requested < 0 else min(requested, n_layer)
+    return GpuPlacement(layers_requested=requested, layers_offloaded=offloaded,
+                        devices=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+
 class LlamaEngine:
     """Serves one request at a time from one ``llama_cpp.Llama``."""
 
@@ -63,6 +78,7 @@ class LlamaEngine:
         model_name: str | None = None,
         embedding_batch_tokens: int = DEFAULT_EMBEDDING_BATCH_TOKENS,
         cache_ram_mib: int = 0,
+        n_gpu_layers: int = 0,
     ) -> None:
         # llama.cpp rounds the context up to a multiple of 256, but Llama sizes
         # its token record (input_ids) to the number passed in: past that
@@ -75,8 +91,10 @@ class LlamaEngine:
             n_threads=n_threads,
             n_threads_batch=n_threads,
             n_batch=n_batch,
+            n_gpu_layers=n_gpu_layers,
             verbose=False,
         )
+        self.gpu = gpu_placement(self.llama)
         self.n_ctx = min(self.llama.n_ctx(), len(self.llama.input_ids))
         #: Threads the context decodes with now (prompt and tokens alike).
         self.n_threads = self.llama.n_threads

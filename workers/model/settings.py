@@ -27,6 +27,7 @@ worker process does. Every default is documented here:
 | LLAMAPOOL_CURVE_SECRET_KEY     | (none)      | own .key_secret (CURVE)           |
 | LLAMAPOOL_WORKER_METRICS_PORT  | 0           | port for own /metrics (0: off)    |
 | LLAMAPOOL_CACHE_RAM            | 2048        | saved prompt states, MiB (0: off) |
+| LLAMAPOOL_GPU_LAYERS           | 0           | layers on a GPU (-1: all)         |
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ from protocol.settings import ConfigError, setting
 
 #: Engines a worker can run (``--engine``); llama.cpp is the only real one.
 ENGINES = ("llama.cpp", "synthetic")
+
+
+#: More layers than any model has: llama.cpp caps the count at the model's.
+MAX_GPU_LAYERS = 100_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +108,11 @@ class WorkerSettings:
     #: inside a 24 GiB machine.
     cache_ram_mib: int = setting(
         2048, "LLAMAPOOL_CACHE_RAM", "saved prompt states, MiB (0: off)")
+    #: llama.cpp's ``n_gpu_layers``. Only a GPU build of llama-cpp-python
+    #: offloads; ``make serve`` installs the CPU build (README, "GPUs").
+    #: Which device: ``CUDA_VISIBLE_DEVICES`` (``llamapool up --gpus``).
+    gpu_layers: int = setting(
+        0, "LLAMAPOOL_GPU_LAYERS", "layers on a GPU (-1: all)")
 
     def __post_init__(self) -> None:
         split_endpoints(self.broker_endpoint)  # ConfigError if empty or repeated
@@ -117,6 +127,9 @@ class WorkerSettings:
                               f"to {limits.MAX_THREADS} (0: the usable CPUs)")
         if self.cache_ram_mib < 0:
             raise ConfigError("LLAMAPOOL_CACHE_RAM must be 0 (off) or more MiB")
+        if not -1 <= self.gpu_layers <= MAX_GPU_LAYERS:
+            raise ConfigError(f"LLAMAPOOL_GPU_LAYERS={self.gpu_layers}: -1 (all) "
+                              f"or 0 to {MAX_GPU_LAYERS}")
         # The broker drops a READY with longer names as malformed
         # (``protocol.limits``): refuse at startup instead of never
         # registering.

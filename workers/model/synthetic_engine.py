@@ -19,7 +19,7 @@ import time
 
 from protocol import defaults
 from protocol.errors import ErrorCode
-from protocol.payloads import CHAT, EMBEDDING, GenerationRequest
+from protocol.payloads import CHAT, EMBEDDING, GenerationRequest, GpuPlacement
 from workers.model.engine import (
     GenerationResult,
     JobSink,
@@ -65,6 +65,7 @@ class SyntheticEngine:
         self.tokens_per_second = tokens_per_second
         self.n_ctx = n_ctx
         self.model_name = model_name or "synthetic"
+        self.gpu = GpuPlacement()  # no model, no layers
 
     def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
         # No model, no logits: refuse what needs them rather than ignore it.

@@ -416,6 +416,7 @@ class ModelWorker(LinkHandler):
             engine=self.engine.name,
             pool_cores=(self.settings.host_pool_cores
                         if self.settings.auto_threads else 0),
+            gpu=self.engine.gpu,
         )
 
     def on_tick(self, now: float) -> None:
