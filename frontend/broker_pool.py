@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict
 
 from frontend.broker_link import BrokerLink, JobStream
-from frontend.pool_view import merge_statuses, pool_slot_id
+from frontend.pool_view import SLOT_ID_STRIDE, merge_statuses, pool_slot_id
 from protocol import messages
 from protocol.errors import ErrorCode
 from protocol.payloads import GenerationRequest, PoolStatus
@@ -93,16 +93,19 @@ class PoolJobStream:
     """
 
     def __init__(self, pool: BrokerPool, job_id: str, request: GenerationRequest,
-                 blocks: list[int], order: list[int]) -> None:
+                 blocks: list[int], order: list[int], id_slot: int = -1) -> None:
         self.job_id = job_id
         self._pool = pool
         self._request = request
         self._blocks = blocks
         self._order = order
+        #: A slot of that broker's ledger (``order`` is then that broker alone).
+        self._id_slot = id_slot
         self._tried = 0
         self._retry_after_s: float | None = None
         self.broker_index = order[0]
-        self._stream: JobStream = pool._submit_to(order[0], job_id, request, blocks)
+        self._stream: JobStream = pool._submit_to(order[0], job_id, request, blocks,
+                                                  id_slot)
 
     @property
     def accepted(self) -> bool:
@@ -143,7 +146,8 @@ class PoolJobStream:
         self._pool._links[self.broker_index].forget(self.job_id)
         self.broker_index = self._order[self._tried]
         self._stream = self._pool._submit_to(self.broker_index, self.job_id,
-                                             self._request, self._blocks)
+                                             self._request, self._blocks,
+                                             self._id_slot)
         return True
 
 
@@ -187,8 +191,15 @@ class BrokerPool:
             self._links[index].send(msg)
 
     def submit(self, job_id: str, request: GenerationRequest,
-               prefix_blocks: list[int] | None = None) -> PoolJobStream:
+               prefix_blocks: list[int] | None = None,
+               id_slot: int = -1) -> PoolJobStream:
         """Submit to the first broker in ``order_for``; see ``PoolJobStream``.
+
+        ``id_slot`` (llama.cpp's, a pool-wide id from ``/slots``): only the
+        broker whose ledger has that slot is asked, with its own id for it
+        (``frontend.pool_view.pool_slot_id`` in reverse). An id beyond the
+        brokers goes to the first, whose ledger does not have it either: the
+        client gets the same "Invalid slot ID" as with one broker.
 
         Raises:
             PayloadTooLarge: as ``BrokerLink.submit`` (before any broker is
@@ -196,6 +207,11 @@ class BrokerPool:
         """
         self.start()
         blocks = prefix_blocks or []
+        if id_slot >= 0:
+            index, local = divmod(id_slot, SLOT_ID_STRIDE)
+            if index >= len(self._links):
+                index, local = 0, id_slot
+            return PoolJobStream(self, job_id, request, blocks, [index], local)
         return PoolJobStream(self, job_id, request, blocks, self.order_for(blocks))
 
     def forget(self, job_id: str) -> None:
@@ -268,9 +284,9 @@ class BrokerPool:
     # --- used by PoolJobStream ----------------------------------------------------
 
     def _submit_to(self, index: int, job_id: str, request: GenerationRequest,
-                   blocks: list[int]) -> JobStream:
+                   blocks: list[int], id_slot: int = -1) -> JobStream:
         self._job_broker[job_id] = index
-        return self._links[index].submit(job_id, request, blocks)
+        return self._links[index].submit(job_id, request, blocks, id_slot)
 
     def _accepted(self, index: int, blocks: list[int]) -> None:
         self._full_until.pop(index, None)

@@ -41,6 +41,7 @@ class FakeLink:
         self.answers = list(answers or [])
         self.streams: dict[str, JobStream] = {}
         self.submitted: list[str] = []
+        self.id_slots: list[int] = []
         self.sent: list[messages.Message] = []
         self.forgotten: list[str] = []
         self.last_heard = time.monotonic()
@@ -52,8 +53,9 @@ class FakeLink:
     def broker_alive(self) -> bool:
         return True
 
-    def submit(self, job_id, request, blocks=None) -> JobStream:
+    def submit(self, job_id, request, blocks=None, id_slot=-1) -> JobStream:
         self.submitted.append(job_id)
+        self.id_slots.append(id_slot)
         stream = self.streams[job_id] = JobStream(job_id)
         answer = self.answers.pop(0) if self.answers else "accept"
         if answer == "accept":
@@ -92,6 +94,21 @@ def test_refusal_moves_on_and_the_slot_id_names_the_broker():
     pool.send(messages.Cancel("j1"))
     assert [type(m) for m in links[1].sent] == [messages.Cancel]
     assert links[0].sent == []
+
+
+def test_id_slot_goes_to_its_broker_alone_with_its_own_id():
+    """llama.cpp's id_slot names a slot in /slots: broker 1's slot 3 is shown
+    as SLOT_ID_STRIDE + 3, and only broker 1 is asked, for its slot 3; a full
+    slot is not moved to another broker (BrokerPool.submit had no id_slot:
+    every such request was a 500 through several brokers)."""
+    links = [FakeLink(["accept"]), FakeLink(["full"])]
+    pool = BrokerPool(links)
+    answer = pool.submit("j", REQUEST, id_slot=SLOT_ID_STRIDE + 3).get(1.0)
+    assert isinstance(answer, messages.NoSlot)
+    assert links[0].submitted == [] and links[1].id_slots == [3]
+    # An id beyond the brokers: the first broker's ledger refuses it.
+    pool.submit("k", REQUEST, id_slot=5 * SLOT_ID_STRIDE).get(1.0)
+    assert links[0].id_slots == [5 * SLOT_ID_STRIDE]
 
 
 def test_every_broker_full_answers_no_slot_with_the_soonest_hint():
