@@ -34,6 +34,9 @@ class Sink:
     def report_progress(self, *args) -> None:
         pass
 
+    def threads_to_use(self, current: int) -> int:
+        return current  # a fixed thread count
+
 
 def run(engine: LlamaEngine, prompt: str):
     request = GenerationRequest(kind="completion", prompt=prompt, max_tokens=12,
