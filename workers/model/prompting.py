@@ -49,6 +49,10 @@ class PromptBuilder:
         #: Whether ``tools`` reach the prompt (see ``ToolsUnsupported``).
         self.renders_tools = False
         self._format_chat = self._chat_formatter(chat_format)
+        #: llama-cpp-python's "gemma" format drops system messages (it only
+        #: logs so, at debug level): they are folded into the first user
+        #: turn instead, as Gemma's own chat template does.
+        self._fold_system = chat_format == "gemma"
         self._tokenizer = BoundedTokenizer(llama)
 
     @classmethod
@@ -100,9 +104,11 @@ class PromptBuilder:
                 extra["tools"] = json.loads(tools)
             except ValueError:  # the frontend sends JSON; a peer might not
                 raise PromptError("'tools' is not JSON") from None
+        turns = [m.as_dict() for m in messages]
+        if self._fold_system:
+            turns = fold_system_messages(turns)
         try:
-            return self._format_chat(
-                messages=[m.as_dict() for m in messages], **extra)
+            return self._format_chat(messages=turns, **extra)
         except Exception as exc:  # a template error is about the input
             raise PromptError(str(exc)) from None
 
@@ -189,3 +195,19 @@ class PromptBuilder:
             prompt.encode("utf-8"), add_special=True, parse_special=True,
             limit=limit, should_stop=should_stop)
         return tokens, []
+
+
+def fold_system_messages(turns: list[dict]) -> list[dict]:
+    """System messages joined at the head of the first user turn, as Gemma's
+    template does (``first_user_prefix``); a conversation with no user turn
+    gets one holding just them. Other turns keep their order."""
+    system = [t["content"] for t in turns if t["role"] == "system"]
+    rest = [dict(t) for t in turns if t["role"] != "system"]
+    if not system:
+        return rest
+    prefix = "\n\n".join(system)
+    for turn in rest:
+        if turn["role"] == "user":
+            turn["content"] = f"{prefix}\n\n{turn['content']}"
+            return rest
+    return [{"role": "user", "content": prefix}, *rest]
