@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from protocol import messages
 from protocol.errors import ErrorCode
-from protocol.payloads import GenerationRequest
+from protocol.payloads import GenerationRequest, GpuPlacement
 from workers.model.settings import WorkerSettings
 from workers.model.worker import ModelWorker
 
@@ -33,6 +33,7 @@ class LoadedEngine:
     model_name = "m"
     n_ctx = 64
     name = "synthetic"
+    gpu = GpuPlacement()
 
 
 def make_worker(endpoints: str) -> tuple[ModelWorker, list[tuple[str, object]]]:
