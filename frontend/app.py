@@ -7,7 +7,6 @@ after gunicorn has forked this process.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import uuid
 
@@ -24,14 +23,14 @@ from frontend.errors import (
     install_error_handlers,
     write_error,
 )
-from frontend.generation import collect, start_job
+from frontend.generation import collect, start_request_job
 from frontend.native_api import add_native_routes
 from frontend.openai_format import ResponseShaper
 from frontend.prompt_gate import PromptGate
 from frontend.request_body import read_json_body
 from frontend.request_log import RequestLogMiddleware
 from frontend.settings import FrontendSettings
-from frontend.sse import EventStreamBody, tune_stream_socket
+from frontend.sse import stream_answer
 from frontend.web_page import add_page_routes
 from protocol.broker_list import split_endpoints
 from protocol.curve import client_keys
@@ -72,16 +71,7 @@ class GenerationResource:
             generation = self.gate.check(generation)
         record = req.context.record
         record.stream = parsed.stream
-        job = start_job(
-            self.link,
-            generation,
-            submit_timeout_s=s.submit_timeout_s,
-            frame_timeout_s=s.frame_timeout_s,
-            credit_batch_frames=s.credit_batch_frames,
-            outcome=record.expect_job(),
-            on_release=record.lease_released,
-        )
-        record.slot_id = job.slot_id
+        job = start_request_job(self.link, generation, s, record, resp)
         shaper = ResponseShaper(
             self.kind,
             req.context.request_id,
@@ -90,20 +80,12 @@ class GenerationResource:
             parsed.logprobs,
             tools=parsed.tools,
         )
-        resp.set_header("X-Slot-Id", str(job.slot_id))
-        # Which gunicorn process holds the lease: for operators and fault tests.
-        resp.set_header("X-Frontend-Pid", str(os.getpid()))
         if not parsed.stream:
             text, final, logprobs = collect(job)
             resp.media = shaper.whole(text, final.finish_reason, final.usage,
                                       final.timings, logprobs)
             return
-        tune_stream_socket(req, s.stream_sndbuf_bytes)
-        # From here on the body owns the job, and with it the lease.
-        resp.content_type = "text/event-stream"
-        resp.set_header("Cache-Control", "no-cache")
-        resp.set_header("X-Accel-Buffering", "no")
-        resp.stream = EventStreamBody(job, shaper)
+        stream_answer(req, resp, job, shaper, s.stream_sndbuf_bytes)
 
 
 class LedgerView:

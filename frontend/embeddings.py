@@ -32,7 +32,7 @@ import falcon
 
 from frontend.broker_link import BrokerLink
 from frontend.errors import BadRequest, UpstreamError
-from frontend.generation import start_job
+from frontend.generation import start_request_job
 from frontend.job import Job
 from frontend.lease import LeaseEnding
 from frontend.request_body import read_json_body
@@ -195,16 +195,7 @@ class EmbeddingsResource:
         parsed = EmbeddingRequest(read_json_body(req, s.max_body_bytes),
                                   self.native)
         record = req.context.record
-        job = start_job(
-            self.link, parsed.generation(),
-            submit_timeout_s=s.submit_timeout_s,
-            frame_timeout_s=s.frame_timeout_s,
-            credit_batch_frames=s.credit_batch_frames,
-            outcome=record.expect_job(),
-            on_release=record.lease_released,
-        )
-        record.slot_id = job.slot_id
-        resp.set_header("X-Slot-Id", str(job.slot_id))
+        job = start_request_job(self.link, parsed.generation(), s, record, resp)
         vectors, final = collect_vectors(job)
         if final.finish_reason == "cancelled" or len(vectors) != len(parsed.inputs):
             # Only a cancel we did not send ends it early (a frontend death

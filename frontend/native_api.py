@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import os
 
 import falcon
 
 from frontend import openai_schema
 from frontend.broker_link import BrokerLink
 from frontend.errors import ApiError, BadRequest
-from frontend.generation import collect, start_job
+from frontend.generation import collect, start_request_job
 from frontend.native_format import NativeShaper, sampler_params
 from frontend.native_schema import (
     INFILL_FIELDS,
@@ -43,7 +42,7 @@ from frontend.native_schema import (
 from frontend.prompt_gate import PromptGate
 from frontend.request_body import read_json_body
 from frontend.settings import FrontendSettings
-from frontend.sse import EventStreamBody, tune_stream_socket
+from frontend.sse import stream_answer
 from protocol.payloads import Sampling
 
 
@@ -186,16 +185,8 @@ class NativeCompletionResource:
         parsed, n_prompt, prompt_text = self._settle_prompt(parsed, body)
         record = req.context.record
         record.stream = parsed.stream
-        job = start_job(
-            self.link, parsed.generation,
-            submit_timeout_s=s.submit_timeout_s,
-            frame_timeout_s=s.frame_timeout_s,
-            credit_batch_frames=s.credit_batch_frames,
-            outcome=record.expect_job(),
-            on_release=record.lease_released,
-            id_slot=parsed.id_slot,
-        )
-        record.slot_id = job.slot_id
+        job = start_request_job(self.link, parsed.generation, s, record, resp,
+                                id_slot=parsed.id_slot)
         shaper = NativeShaper(
             generation=parsed.generation,
             model=job.model or s.model_name or "llamapool",
@@ -203,18 +194,11 @@ class NativeCompletionResource:
             n_prompt=n_prompt, prompt_text=prompt_text, n_probs=parsed.n_probs,
             show_probs=parsed.show_probs, return_tokens=parsed.return_tokens,
             stream=parsed.stream)
-        resp.set_header("X-Slot-Id", str(job.slot_id))
-        resp.set_header("X-Frontend-Pid", str(os.getpid()))
         if not parsed.stream:
             text, final, entries = collect(job)
             resp.media = shaper.whole(text, final, entries)
             return
-        tune_stream_socket(req, s.stream_sndbuf_bytes)
-        # From here on the body owns the job, and with it the lease.
-        resp.content_type = "text/event-stream"
-        resp.set_header("Cache-Control", "no-cache")
-        resp.set_header("X-Accel-Buffering", "no")
-        resp.stream = EventStreamBody(job, shaper)
+        stream_answer(req, resp, job, shaper, s.stream_sndbuf_bytes)
 
 
 class TokenizeResource:

@@ -87,3 +87,14 @@ def tune_stream_socket(req: falcon.Request, sndbuf_bytes: int) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf_bytes)
     except OSError:
         pass  # a Unix socket (behind a local proxy): no TCP options to set
+
+
+def stream_answer(req: falcon.Request, resp: falcon.Response, job: Job,
+                  shaper, sndbuf_bytes: int) -> None:
+    """Answer with the job's events; from here on the body owns the job, and
+    with it the lease."""
+    tune_stream_socket(req, sndbuf_bytes)
+    resp.content_type = "text/event-stream"
+    resp.set_header("Cache-Control", "no-cache")
+    resp.set_header("X-Accel-Buffering", "no")
+    resp.stream = EventStreamBody(job, shaper)
