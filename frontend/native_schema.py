@@ -23,6 +23,7 @@ from frontend.openai_schema import (
     _number,
     _sampling,
     _stop,
+    _timings_per_token,
     _top_count,
 )
 from frontend.output_constraints import grammar_of
@@ -116,8 +117,7 @@ def parse_completion(body: Any, fields: frozenset[str] = COMPLETION_FIELDS
         grammar=grammar_of(body),
         logprobs=logprobs,
         cache_prompt=_cache_prompt(body),
-        # As on /v1: per-token timings exist only on streamed chunks.
-        timings_per_token=bool(_bool(body, "timings_per_token")) and stream,
+        timings_per_token=_timings_per_token(body, stream),
     )
     _check_stops_with_logprobs(generation)
     return NativeRequest(

@@ -90,6 +90,12 @@ def _bool(body: dict, name: str) -> bool | None:
     return value
 
 
+def _timings_per_token(body: dict, stream: bool) -> bool:
+    """llama.cpp's ``timings_per_token``: timings on every streamed chunk (a
+    whole answer carries its own once)."""
+    return bool(_bool(body, "timings_per_token")) and stream
+
+
 def _stop(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -281,8 +287,7 @@ def parse_completion(body: Any) -> ParsedRequest:
         stop=_stop(body),
         grammar=grammar_of(body),
         logprobs=_completion_logprobs(body),
-        # Per-token timings go on streamed chunks; a whole answer has its own.
-        timings_per_token=bool(_bool(body, "timings_per_token")) and stream,
+        timings_per_token=_timings_per_token(body, stream),
     )
     _check_stops_with_logprobs(generation)
     return ParsedRequest(generation, stream, include_usage, _model(body))
@@ -355,8 +360,7 @@ def parse_chat(body: Any) -> ParsedRequest:
         stop=_stop(body),
         grammar=grammar,
         logprobs=_chat_logprobs(body),
-        # Per-token timings go on streamed chunks; a whole answer has its own.
-        timings_per_token=bool(_bool(body, "timings_per_token")) and stream,
+        timings_per_token=_timings_per_token(body, stream),
         tools=json.dumps(tools.tools) if tools.active else "",
     )
     _check_stops_with_logprobs(generation)
