@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from protocol.payloads import GenerationRequest, Sampling
+from tests.null_sink import NullSink
 from workers.model.llama_engine import LlamaEngine
 from workers.model.prompt_cache import PromptStateCache
 
@@ -21,27 +22,11 @@ def flipped(data: bytes, at: int) -> bytes:
     return data[:at] + bytes(b ^ 0x5A for b in data[at:at + 64]) + data[at + 64:]
 
 
-class Sink:
-    def emit(self, *args, **kwargs) -> None:
-        pass
-
-    def should_stop(self) -> bool:
-        return False
-
-    def wait_for_credit(self) -> bool:
-        return True
-
-    def report_progress(self, *args) -> None:
-        pass
-
-    def threads_to_use(self, current: int) -> int:
-        return current  # a fixed thread count
-
 
 def run(engine: LlamaEngine, prompt: str):
     request = GenerationRequest(kind="completion", prompt=prompt, max_tokens=12,
                                 sampling=Sampling(temperature=0.0, ignore_eos=True))
-    return engine.run(request, Sink())
+    return engine.run(request, NullSink())
 
 
 @pytest.fixture(scope="module")

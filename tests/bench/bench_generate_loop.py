@@ -21,27 +21,13 @@ from pathlib import Path
 
 from protocol.payloads import GenerationRequest, Sampling
 from tests.bench import harness
+from tests.null_sink import NullSink
 
 #: The pool's sampling defaults, for the create_completion baseline.
 DEFAULTS = Sampling()
 
 PROMPT = "Hello world"
 
-
-class NullSink:
-    """A JobSink that takes every frame at once (credit is never short)."""
-
-    def emit(self, text: str, n_tokens: int) -> None:
-        pass
-
-    def should_stop(self) -> bool:
-        return False
-
-    def wait_for_credit(self) -> bool:
-        return True
-
-    def report_progress(self, *args) -> None:
-        pass
 
 
 def time_create_completion(llama, n_tokens: int, processors) -> tuple[float, int]:
