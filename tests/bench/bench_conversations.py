@@ -2,29 +2,33 @@
 routing save (issue 13).
 
 ``python -m tests.bench.bench_conversations`` (``make bench-conversations``)
-starts a real pool (broker, K workers, gunicorn) once per configuration and
-plays the same N conversations x T turns against each: every conversation
-has its own preamble (~300 tokens), each turn resends the whole history
-(chat completions, streamed, usage included), and the turns of different
-conversations are interleaved at random with a fixed seed. ``--concurrency``
-client threads send turns; a conversation's next turn waits for its last.
+starts one real pool (broker, K workers, gunicorn) per configuration, all at
+once, and plays the same N conversations x T turns against each: every
+conversation has its own preamble (~300 tokens), each turn resends the whole
+history (chat completions, streamed, usage included), and the turns of
+different conversations are interleaved at random with a fixed seed,
+``--concurrency`` turns of different conversations at a time. The pools take
+each step in turn, in an order that rotates (``play``), so the machine's
+drift falls on all of them alike.
 
 Configurations, side by side: ``--routing prefix`` and ``--routing lru`` with
 the default ``--cache-ram``, and ``--routing prefix --cache-ram 0`` (only
 the live KV sequence, as before the cache). Printed per configuration: the
 share of follow-up prompt tokens served from cache, TTFT p50/p90 of first
-turns and of follow-ups, decode tokens/s (per request, mean) and wall time.
+turns and of follow-ups, decode tokens/s (per request, mean) and the seconds
+the pool was busy with its turns.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -109,50 +113,63 @@ def play_turn(url: str, conv: Conversation, text: str, max_tokens: int) -> dict:
     }
 
 
-def play(url: str, args: argparse.Namespace) -> tuple[list[dict], float]:
-    """All conversations, interleaved by a seeded shuffle, ``--concurrency``
-    at a time (never two turns of one conversation at once)."""
+def steps_of(schedule: list[int], concurrency: int) -> list[list[int]]:
+    """Cut the shuffled schedule into steps of up to ``concurrency`` turns of
+    different conversations (a conversation's next turn waits for its last),
+    in schedule order."""
+    pending, steps = list(schedule), []
+    while pending:
+        step: list[int] = []
+        for conv in pending:
+            if conv not in step:
+                step.append(conv)
+            if len(step) == concurrency:
+                break
+        for conv in step:
+            pending.remove(conv)
+        steps.append(step)
+    return steps
+
+
+def play(urls: dict[str, str], args: argparse.Namespace
+         ) -> dict[str, tuple[list[dict], float]]:
+    """All conversations against every pool, side by side.
+
+    The pools run at once (an idle worker costs no CPU). Step by step, each
+    pool in turn gets the same ``--concurrency`` turns at once, and the order
+    of the pools rotates every step: this machine's speed drifts by 10-30%
+    over minutes, so pools played one after another would compare the drift
+    (it once showed the first pool 9% slower at decoding). Each pool has its
+    own copy of every conversation: its replies go into its own history.
+
+    Returns, per pool: the turns' figures and the pool's busy seconds.
+    """
     rng = random.Random(args.seed)
-    convs = [Conversation(i, system_prompt(rng, i, args.system_words))
-             for i in range(args.conversations)]
-    schedule = [c.idx for c in convs for _ in range(args.turns)]
+    preambles = [system_prompt(rng, i, args.system_words)
+                 for i in range(args.conversations)]
+    schedule = [i for i in range(args.conversations) for _ in range(args.turns)]
     rng.shuffle(schedule)
-    texts = {(c.idx, t): user_turn(rng, t) for c in convs for t in range(args.turns)}
-    results: list[dict] = []
-    busy: set[int] = set()
-    cond = threading.Condition()
-
-    def client() -> None:
-        while True:
-            with cond:
-                while True:
-                    pick = next((i for i, c in enumerate(schedule)
-                                 if c not in busy), None)
-                    if pick is not None or not schedule:
-                        break
-                    cond.wait()
-                if pick is None:
-                    return
-                conv = convs[schedule.pop(pick)]
-                busy.add(conv.idx)
-            try:
-                figures = play_turn(url, conv, texts[conv.idx, conv.turn],
-                                    args.max_tokens)
-            finally:
-                with cond:
+    texts = {(i, t): user_turn(rng, t)
+             for i in range(args.conversations) for t in range(args.turns)}
+    convs = {name: [Conversation(i, preambles[i])
+                    for i in range(args.conversations)] for name in urls}
+    results: dict[str, list[dict]] = {name: [] for name in urls}
+    busy_s = dict.fromkeys(urls, 0.0)
+    names = list(urls)
+    with ThreadPoolExecutor(max_workers=args.concurrency) as clients:
+        for n, step in enumerate(steps_of(schedule, args.concurrency)):
+            for name in names[n % len(names):] + names[:n % len(names)]:
+                started = time.perf_counter()
+                turns = [convs[name][i] for i in step]
+                figures = list(clients.map(
+                    lambda conv, url=urls[name]: play_turn(
+                        url, conv, texts[conv.idx, conv.turn], args.max_tokens),
+                    turns))
+                busy_s[name] += time.perf_counter() - started
+                for conv in turns:
                     conv.turn += 1
-                    busy.discard(conv.idx)
-                    cond.notify_all()
-            with cond:
-                results.append(figures)
-
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(args.concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results, time.perf_counter() - started
+                results[name] += figures
+    return {name: (results[name], busy_s[name]) for name in urls}
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -162,7 +179,7 @@ def pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def summarise(name: str, results: list[dict], wall_s: float) -> list[object]:
+def summarise(name: str, results: list[dict], busy_s: float) -> list[object]:
     firsts = [r for r in results if r["first_turn"]]
     follows = [r for r in results if not r["first_turn"]]
     share = (sum(r["cached_tokens"] for r in follows)
@@ -173,25 +190,20 @@ def summarise(name: str, results: list[dict], wall_s: float) -> list[object]:
             pct([r["ttft_s"] for r in follows], 0.5),
             pct([r["ttft_s"] for r in follows], 0.9),
             statistics.fmean(r["decode_tps"] for r in results),
-            round(wall_s, 1)]
+            round(busy_s, 1)]
 
 
-def run_config(model: str, routing: str, cache_ram: str | None,
-               args: argparse.Namespace) -> tuple[list[dict], float]:
+def start_pool(model: str, routing: str, cache_ram: str | None,
+               args: argparse.Namespace, run_dir: Path) -> Pool:
     worker_args = ["--threads", str(args.threads), "--ctx", str(args.ctx)]
     if args.chat_format:
         worker_args += ["--chat-format", args.chat_format]
     if cache_ram is not None:
         worker_args += ["--cache-ram", cache_ram]
     env = {"LLAMAPOOL_CHAT_FORMAT": args.chat_format} if args.chat_format else {}
-    with tempfile.TemporaryDirectory() as tmp:
-        pool = Pool(Path(model), Path(tmp), workers=args.workers,
-                    worker_args=tuple(worker_args), frontend_env=env,
-                    broker_args=("--routing", routing))
-        try:
-            return play(pool.url, args)
-        finally:
-            pool.stop()
+    return Pool(Path(model), run_dir, workers=args.workers,
+                worker_args=tuple(worker_args), frontend_env=env,
+                broker_args=("--routing", routing))
 
 
 #: name -> (--routing, --cache-ram or None for the default, label).
@@ -225,19 +237,24 @@ def main() -> None:
     model = args.model or default_gemma()
     if model is None:
         parser.error("no --model and the default model package is not installed")
-    rows = []
-    for name in args.configs.split(","):
-        routing, cache_ram, label = CONFIGS[name.strip()]
-        results, wall_s = run_config(model, routing, cache_ram, args)
-        rows.append(summarise(label, results, wall_s))
-        print(f"done: {name} in {wall_s:.0f} s", flush=True)
+    names = [name.strip() for name in args.configs.split(",")]
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        pools = {}
+        for name in names:
+            routing, cache_ram, _ = CONFIGS[name]
+            run_dir = Path(tmp, name)
+            run_dir.mkdir()
+            pools[name] = start_pool(model, routing, cache_ram, args, run_dir)
+            stack.callback(pools[name].stop)
+        played = play({name: pool.url for name, pool in pools.items()}, args)
+    rows = [summarise(CONFIGS[name][2], *played[name]) for name in names]
     print(f"\n{args.conversations} conversations x {args.turns} turns, "
           f"{args.workers} workers x {args.threads} thread(s), "
           f"concurrency {args.concurrency}, seed {args.seed}, "
           f"model {Path(model).name}\n")
     print(md_table(["config", "follow-up cached share", "TTFT p50 first (s)",
                     "TTFT p90 first (s)", "TTFT p50 follow-up (s)",
-                    "TTFT p90 follow-up (s)", "decode tok/s", "wall s"], rows))
+                    "TTFT p90 follow-up (s)", "decode tok/s", "busy s"], rows))
 
 
 if __name__ == "__main__":
