@@ -220,9 +220,21 @@ class BrokerLink(LinkHandler):
         log.warning("lost the broker; failing %d open jobs", len(self._streams))
         self._fail_all(ErrorCode.BROKER_UNREACHABLE, "lost contact with the broker")
 
-    def on_malformed(self, error: messages.MalformedMessage) -> None:
+    def on_malformed(self, error: messages.MalformedMessage,
+                     frames: list[bytes]) -> None:
         self.malformed_dropped += 1
         metrics.FRONTEND_MALFORMED.inc()
+        # The broker relays TOKEN bodies without decoding them
+        # (``messages.is_token_of``), so a broken one is found here. Its job
+        # has lost output: it fails, and the CANCEL tells the broker why, so
+        # the worker is treated as one that broke the protocol.
+        job_id = messages.claimed_job_id(frames)
+        stream = self._streams.pop(job_id, None) if job_id is not None else None
+        if stream is None:
+            return
+        stream.put(messages.Error(job_id, ErrorCode.WORKER_PROTOCOL_ERROR,
+                                  "the model worker sent a malformed frame"))
+        self._conn.send(messages.Cancel(job_id, broken=str(error)))
 
     def _fail_all(self, code: ErrorCode, message: str,
                   accepted_only: bool = False) -> None:

@@ -40,6 +40,7 @@ import zmq
 
 from protocol import limits, messages
 from protocol.curve import ClientKeys
+from protocol.zmq_frames import recv_frames, send_frames
 
 log = logging.getLogger("llamapool.link")
 
@@ -70,8 +71,10 @@ class LinkHandler:
         here (a worker moving to another broker: ``workers.model.broker_choice``).
         """
 
-    def on_malformed(self, error: messages.MalformedMessage) -> None:
-        """A frame that did not decode (already logged, counted and dropped)."""
+    def on_malformed(self, error: messages.MalformedMessage,
+                     frames: list[bytes]) -> None:
+        """A message that did not decode (already logged, counted and
+        dropped), and its frames."""
 
     def on_tick(self, now: float) -> None:
         """Once per poll round, before polling: the application's timers."""
@@ -375,14 +378,14 @@ class BrokerConnection:
         # retry once the key is authorised). Dropped instead: the broker stays
         # silent, so the liveness window brings a new DEALER, which redials.
         try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK)
+            send_frames(self._sock, frames)
         except zmq.Again:
             self.unsent_dropped += 1
 
     def _receive(self) -> None:
         while True:
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(self._sock)
             except zmq.Again:
                 return
             self.last_heard = time.monotonic()
@@ -395,7 +398,7 @@ class BrokerConnection:
                 if n <= 10 or n % 1000 == 0:
                     log.warning("dropped malformed message #%d from broker: %s",
                                 n, exc)
-                self._guarded(self.handler.on_malformed, exc)
+                self._guarded(self.handler.on_malformed, exc, frames)
                 continue
             try:
                 self.handler.on_message(msg)

@@ -260,11 +260,20 @@ class NoSlot(Message):
     retry_after_s: float
 
 
-@_register(0x13, job_id=_STR)
+@_register(0x13, job_id=_STR, broken=_REASON)
 class Cancel(Message):
-    """Frontend -> broker -> worker: stop this job at the next token."""
+    """Frontend -> broker -> worker: stop this job at the next token.
+
+    ``broken`` (frontend -> broker only): why the frontend found the job's
+    frames malformed ("" for a plain cancel). The broker relays TOKEN bodies
+    without decoding them (``is_token_of``), so the frontend is the one that
+    finds a broken TOKEN; the broker then treats the worker as it treats one
+    that sent it a broken frame (counted, the worker disconnected). An older
+    broker ignores the field and just cancels.
+    """
 
     job_id: str
+    broken: str = ""
 
 
 @_register(0x14, job_id=_STR, frames=_INT)
@@ -397,6 +406,55 @@ def decode(frames: list[bytes]) -> Message:
     except Exception as exc:  # msgpack raises several unrelated types
         raise MalformedMessage(f"bad msgpack body: {exc.__class__.__name__}") from None
     return cls.from_body(fields)
+
+
+def job_id_tag(job_id: str) -> bytes:
+    """How ``job_id`` opens a job frame's body on the wire: its msgpack form,
+    right after the array header (for ``is_token_of``)."""
+    return msgpack.packb(job_id)
+
+
+#: A TOKEN body is a msgpack fixarray (header byte ``0x90 | n``) of at least
+#: job_id and text, and at most every field.
+_TOKEN_ARRAY_HEADERS = frozenset(
+    0x90 | n for n in range(2, len(dataclasses.fields(Token)) + 1))
+
+
+def is_token_of(frames: list[bytes], tag: bytes) -> bool:
+    """Whether ``frames`` are a TOKEN of the job whose ``job_id_tag`` is
+    ``tag``, by the header, the command byte and the body's first bytes alone.
+
+    For the broker's relay, the one hot path that does not decode: the rest
+    of the body is checked by the frontend, which decodes every frame anyway
+    (BENCHMARKS.md section 13: decoding cost the broker ~a sixth of its CPU
+    per frame). What is checked here is what routing needs: that the frame
+    is a TOKEN and names the job the worker holds, so it can only ever reach
+    that job's client.
+    """
+    if len(frames) != 3:
+        return False
+    header, command, body = frames
+    return (command == Token.COMMAND and header == PROTOCOL_HEADER
+            and len(body) > len(tag) and body[0] in _TOKEN_ARRAY_HEADERS
+            and body.startswith(tag, 1))
+
+
+def claimed_job_id(frames: list[bytes]) -> str | None:
+    """The job id a job frame's body opens with, without decoding the rest
+    (None if it does not open with one): to end the job of a frame that
+    failed to decode."""
+    if command_class(frames) not in JOB_FRAMES or len(frames) != 3:
+        return None
+    unpacker = msgpack.Unpacker(max_buffer_size=len(frames[2]) or 1,
+                                max_str_len=limits.MAX_ID_CHARS * 4)
+    try:
+        unpacker.feed(frames[2])
+        if unpacker.read_array_header() < 1:
+            return None
+        job_id = unpacker.unpack()
+    except Exception:  # msgpack raises several unrelated types
+        return None
+    return job_id if isinstance(job_id, str) else None
 
 
 def command_class(frames: list[bytes]) -> type[Message] | None:

@@ -89,7 +89,8 @@ class Recorder(LinkHandler):
     def on_lost(self, silent_s: float) -> None:
         self.losses.append(silent_s)
 
-    def on_malformed(self, error: messages.MalformedMessage) -> None:
+    def on_malformed(self, error: messages.MalformedMessage,
+                     frames: list[bytes]) -> None:
         self.malformed.append(error)
 
     def heartbeat(self, now: float) -> messages.Message:

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol import limits, messages
+from protocol.payloads import Timings, Usage
 from protocol.records import (
     Count,
     Finite,
@@ -206,3 +207,55 @@ def test_two_messages_cannot_share_a_command_byte():
         @messages._register(messages.Threads.COMMAND[0], n_threads=int)
         class Again(messages.Message):
             n_threads: int
+
+
+# --- the broker's undecoded TOKEN relay (messages.is_token_of) ---------------
+
+
+@given(st.text(max_size=40), st.text(max_size=40), st.text(max_size=20),
+       st.integers(1, 5))
+def test_is_token_of_names_exactly_one_job(held, sent, text, n_tokens):
+    """The relay's check passes a TOKEN to a job's client only when the
+    frame names that very job (an id that is a prefix of another's too)."""
+    frames = messages.Token(sent, text, n_tokens).to_wire()
+    assert messages.is_token_of(frames, messages.job_id_tag(held)) == (held == sent)
+
+
+def test_is_token_of_refuses_everything_but_a_token():
+    tag = messages.job_id_tag("j1")
+    token = messages.Token("j1", "x").to_wire()
+    assert messages.is_token_of(token, tag)
+    final = messages.Final("j1", "stop", *_usage_and_timings()).to_wire()
+    assert not messages.is_token_of(final, tag)
+    assert not messages.is_token_of([b"LLAMAPOOL04", *token[1:]], tag)
+    assert not messages.is_token_of(token[:2], tag)
+    assert not messages.is_token_of([*token, b""], tag)
+    # Only the job id is not enough: a TOKEN carries its text too.
+    assert not messages.is_token_of(
+        [*token[:2], msgpack.packb(["j1"])], tag)
+    assert not messages.is_token_of([*token[:2], tag], tag)
+
+
+def _usage_and_timings():
+    return Usage(1, 1, 2), Timings(1, 1.0, 1, 1.0)
+
+
+@pytest.mark.parametrize("body, expected", [
+    (["j1", 5], "j1"),                      # a broken TOKEN: its job is known
+    (["j1"], "j1"),
+    ([5, "x"], None),                      # no id to go by
+    ([], None),
+    ({"job_id": "j1"}, None),               # not an array
+])
+def test_claimed_job_id_reads_only_the_opening_id(body, expected):
+    frames = [messages.PROTOCOL_HEADER, messages.Token.COMMAND, msgpack.packb(body)]
+    assert messages.claimed_job_id(frames) == expected
+
+
+def test_claimed_job_id_is_none_for_garbage_and_other_commands():
+    tok = messages.PROTOCOL_HEADER, messages.Token.COMMAND
+    assert messages.claimed_job_id([*tok, b"\xc1\xff"]) is None
+    assert messages.claimed_job_id([*tok, b""]) is None
+    assert messages.claimed_job_id([*tok, b"\x91\xdb\xff\xff\xff\xff"]) is None
+    status = messages.Status("j1").to_wire()
+    assert messages.claimed_job_id(status) is None

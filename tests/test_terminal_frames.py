@@ -221,3 +221,27 @@ def test_a_broken_token_fails_the_job_too(rogue_pool):
     assert events[-1]["error"]["code"] == "worker_protocol_error"
     worker.expect(messages.Disconnect)
     register(worker, probe)
+
+
+def test_a_token_of_another_job_never_reaches_the_client(rogue_pool):
+    """The broker relays TOKEN bodies without decoding them, but still by the
+    job id they name: a TOKEN of any other job (an old one, an id that begins
+    like this one's, or one this one's begins like) goes to nobody, and the
+    job's own frames still arrive whole."""
+    broker, frontend, port, probe, worker = rogue_pool
+    register(worker, probe)
+    stale_before = probe.status(2)["counters"].get("stale_frames", 0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(ask, port, True)
+        job_id = worker.expect(messages.Submit).job_id
+        worker.send(messages.Token(job_id, "Hello").to_wire())
+        for other in (job_id[:-1], job_id + "0", "old-job"):
+            worker.send(messages.Token(other, " LEAKED").to_wire())
+        worker.send([H, messages.Final.COMMAND, msgpack.packb(final_body(job_id))])
+        status, text = asked.result(timeout=60)
+    assert status == 200
+    events = sse_events(text)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]
+                   if e["choices"]) == "Hello!"
+    assert probe.status(2)["counters"]["stale_frames"] - stale_before == 3

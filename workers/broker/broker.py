@@ -44,6 +44,7 @@ from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from protocol.log_throttle import LogThrottle
 from protocol.payloads import PoolStatus
 from protocol.prefix import MAX_BLOCKS
+from protocol.zmq_frames import recv_frames, send_frames
 from workers.broker import ledger as ledger_mod
 from workers.broker.metrics import LatestSnapshotCollector
 from workers.broker.pool_stats import PoolStats
@@ -168,9 +169,9 @@ class Broker:
         """Send to one peer; False if the peer is gone or its pipe is full
         (never raises, never blocks)."""
         try:
-            # NOBLOCK: with ROUTER_MANDATORY a full pipe would otherwise block
-            # the whole loop until the peer reads.
-            sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+            # Never blocking: with ROUTER_MANDATORY a full pipe would otherwise
+            # block the whole loop until the peer reads.
+            send_frames(sock, [identity, *frames])
             return True
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
@@ -244,7 +245,7 @@ class Broker:
                 return
             try:
                 if self._allowed_keys is None:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    frames = recv_frames(sock)
                 else:
                     frames = self._recv_authorized(sock, role)
             except zmq.Again:
@@ -255,12 +256,41 @@ class Broker:
                 self._malformed(b"?", "no routing identity")
                 continue
             identity, body = frames[0], frames[1:]
+            if sock is self._worker_sock and self._relay_token(identity, body):
+                continue
             try:
                 msg = messages.decode(body)
             except messages.MalformedMessage as exc:
                 malformed(identity, str(exc), body)
                 continue
             handle(identity, msg, body)
+
+    def _relay_token(self, identity: bytes, body: list[bytes]) -> bool:
+        """Relay a TOKEN of the job its worker holds without decoding it;
+        False (nothing done) for any other frame, which is decoded as usual.
+
+        TOKEN is nearly every frame the broker sees, and decoding one cost
+        about a sixth of the broker's CPU per frame (BENCHMARKS.md section
+        13). ``messages.is_token_of`` checks what routing needs: the command,
+        and that the body names the job this worker holds, so a frame never
+        reaches another job's client. The frontend decodes every frame anyway
+        and checks the rest; a broken TOKEN comes back as a CANCEL that says
+        so (``_on_cancel``), and is then handled as a broken frame here is.
+        """
+        slot = self.ledger.workers.get(identity)
+        if slot is None or slot.job_id is None:
+            return False
+        job = self.ledger.jobs[slot.job_id]
+        if not messages.is_token_of(body, job.tag):
+            return False
+        slot.last_seen = time.monotonic()
+        job.heard = True
+        self.counters["tokens_relayed"] += 1
+        if not self._send(self._frontend_sock, job.frontend, body):
+            # Its frontend is gone: stop the work instead of computing
+            # tokens nobody will read.
+            self._on_cancel(job.frontend, job.job_id, slot.last_seen)
+        return True
 
     def _recv_authorized(self, sock: zmq.Socket, role: str) -> list[bytes] | None:
         """One message, or None if its sender's key is no longer authorized.
@@ -329,16 +359,32 @@ class Broker:
         if (slot is None or slot.job_id is None
                 or messages.command_class(frames) not in messages.JOB_FRAMES):
             return
+        self._worker_broke_job(slot, why)
+
+    def _on_broken_job(self, frontend: bytes, job_id: str, why: str) -> None:
+        """The frontend found a TOKEN of this job broken (a CANCEL that says
+        so): the broker relayed it undecoded (``_relay_token``). Counted and
+        handled as if the broker had found it."""
+        job = self.ledger.jobs.get(job_id)
+        if job is None or job.frontend != frontend:
+            return  # already over, or not this frontend's to judge
+        slot = self.ledger.workers.get(job.worker)
+        if slot is None or slot.job_id != job_id:
+            return
+        self._malformed(job.worker, f"(found by the frontend) {why}")
+        self._worker_broke_job(slot, why)
+
+    def _worker_broke_job(self, slot: ledger_mod.WorkerSlot, why: str) -> None:
         self.counters["worker_protocol_errors"] += 1
         log.warning("worker sent a malformed job frame mid-job: slot=%d pid=%d: "
                     "%s; failing its job and disconnecting it",
-                    slot.slot_id, slot.info.pid, why)
-        job = self.ledger.remove_worker(identity)
+                    slot.slot_id, slot.info.pid, why[:200])
+        job = self.ledger.remove_worker(slot.identity)
         if job is not None:
             self.stats.job_lost()
             self._fail_job(job, ErrorCode.WORKER_PROTOCOL_ERROR,
                            "the model worker sent a malformed frame")
-        self._to_worker(identity, messages.Disconnect("malformed job frame"))
+        self._to_worker(slot.identity, messages.Disconnect("malformed job frame"))
 
     # --- frontend side -----------------------------------------------------------
 
@@ -373,7 +419,10 @@ class Broker:
             snapshot = self.snapshot(now)
             self._to_frontend(ident, messages.StatusReply(msg.request_id, snapshot))
         elif isinstance(msg, messages.Cancel):
-            self._on_cancel(ident, msg.job_id, now)
+            if msg.broken:
+                self._on_broken_job(ident, msg.job_id, msg.broken)
+            else:
+                self._on_cancel(ident, msg.job_id, now)
         elif isinstance(msg, messages.Credit):
             job = self.ledger.jobs.get(msg.job_id)
             if job is not None and job.frontend == ident:

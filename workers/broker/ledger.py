@@ -81,6 +81,9 @@ class Job:
     #: The worker showed it has the job: a job frame, or a heartbeat whose
     #: progress names it. Until then the first-frame deadline runs.
     heard: bool = False
+    #: ``job_id`` as it opens the job's frames on the wire
+    #: (``messages.job_id_tag``): the relay's check of a TOKEN.
+    tag: bytes = b""
 
 
 @dataclasses.dataclass
@@ -261,7 +264,8 @@ class Ledger:
         slot.lease_taken_at = now
         slot.progress = None
         slot.progress_at = None
-        self.jobs[job_id] = Job(job_id, frontend, slot.identity, now)
+        self.jobs[job_id] = Job(job_id, frontend, slot.identity, now,
+                                tag=messages.job_id_tag(job_id))
         return slot
 
     def record_cache_report(self, slot: WorkerSlot,
