@@ -40,7 +40,7 @@ import zmq
 
 from protocol import limits, messages
 from protocol.curve import ClientKeys
-from protocol.zmq_frames import recv_frames, send_frames
+from protocol.zmq_frames import recv_frames, send_frames, waiting
 
 log = logging.getLogger("llamapool.link")
 
@@ -383,7 +383,13 @@ class BrokerConnection:
             self.unsent_dropped += 1
 
     def _receive(self) -> None:
+        n = 0
         while True:
+            # Mostly one message per poll round: ask before a second receive
+            # rather than build the exception of an empty one.
+            if n == 1 and not waiting(self._sock):
+                return
+            n += 1
             try:
                 frames = recv_frames(self._sock)
             except zmq.Again:

@@ -24,8 +24,11 @@ import zmq
 
 _send = zmq.backend.Socket.send
 _recv = zmq.backend.Socket.recv
+_get = zmq.backend.Socket.get
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE) | _NOBLOCK
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
@@ -34,6 +37,14 @@ def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
     for i in range(last):
         _send(sock, frames[i], _MORE)
     _send(sock, frames[last], _NOBLOCK)
+
+
+def waiting(sock: zmq.Socket) -> bool:
+    """Whether a whole message can be received now. A receive that finds
+    nothing raises ``zmq.Again``, and building that exception cost more than
+    a receive (py-spy: 6% of the broker at two tokens in flight, where each
+    poll round finds one message); asking costs a getsockopt."""
+    return bool(_get(sock, _EVENTS) & _POLLIN)
 
 
 def recv_frames(sock: zmq.Socket) -> list[bytes]:

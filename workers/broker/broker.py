@@ -44,7 +44,7 @@ from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from protocol.log_throttle import LogThrottle
 from protocol.payloads import PoolStatus
 from protocol.prefix import MAX_BLOCKS
-from protocol.zmq_frames import recv_frames, send_frames
+from protocol.zmq_frames import recv_frames, send_frames, waiting
 from workers.broker import ledger as ledger_mod
 from workers.broker.metrics import LatestSnapshotCollector
 from workers.broker.pool_stats import PoolStats
@@ -239,7 +239,12 @@ class Broker:
     def _drain(self, sock: zmq.Socket, role: str, handle, malformed) -> None:
         deadline = time.monotonic() + min(
             _DRAIN_BUDGET_S, self.settings.heartbeat_interval_s / 4)
-        for _ in range(_BATCH):
+        for n in range(_BATCH):
+            # Mostly one message per poll round: ask before a second receive
+            # rather than build the exception of an empty one. Under a flood
+            # the receives' own ``zmq.Again`` ends the batch.
+            if n == 1 and not waiting(sock):
+                return
             if time.monotonic() > deadline:
                 self.counters["drain_budget_spent"] += 1
                 return
