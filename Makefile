@@ -39,10 +39,16 @@ faults: $(STAMP_TEST)
 	bench-curve-roles bench-slow-clients bench-rogue-final bench-prompt-size \
 	bench-retry-after bench-output-controls bench-limits bench-web-page \
 	bench-thread-stepdown llama-server bench-cpu-per-token \
-	bench-llama-details bench-embeddings bench-conversations bench-prompt-state
+	bench-llama-details bench-embeddings bench-conversations bench-prompt-state \
+	bench-ttft-hops
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
+
+# Where TTFT goes, hop by hop (a sitecustomize hook in tests/bench/hop_trace
+# records each process's steps; no llamapool code knows about it).
+bench-ttft-hops: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_ttft_hops $(BENCH_ARGS)
 
 # llama.cpp's own server, built once from the llama.cpp vendored in the
 # installed llama-cpp-python (cached in ~/.cache/llamapool; ~10 min on 2 cores).

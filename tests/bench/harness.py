@@ -167,14 +167,16 @@ class Server:
 
 
 def llamapool_up(model: str, workers: int, threads: int | str, *, ctx: int = 2048,
-                 extra: tuple[str, ...] = ()) -> tuple[Server, str]:
-    """``llamapool up`` on a free port; returns the server and its base URL."""
+                 extra: tuple[str, ...] = (), env: dict | None = None
+                 ) -> tuple[Server, str]:
+    """``llamapool up`` on a free port; returns the server and its base URL.
+    ``env``: the whole environment of the pool's processes (default: ours)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "llamapool", "--log-level", "warning", "up",
             "--model", model, "--workers", str(workers), "--threads", str(threads),
             "--ctx", str(ctx), "--port", str(port), *extra]
-    server = Server("llamapool-up", argv, url + "/health")
+    server = Server("llamapool-up", argv, url + "/health", env=env)
     # /health is ok with one worker; wait for all of them.
     wait_until(lambda: _idle_slots(url) == workers, 180, f"{workers} idle slots",
                interval_s=0.2)

@@ -1,0 +1,195 @@
+"""Where the time to first token goes, hop by hop (issue 15).
+
+    make bench-ttft-hops      # or: python -m tests.bench.bench_ttft_hops
+
+Starts ``llamapool up --workers 1`` with ``tests/bench/hop_trace`` first on
+``PYTHONPATH`` and ``LLAMAPOOL_HOP_TRACE`` set: every process of the pool then
+records when a request reaches each point of its path
+(``hop_trace/sitecustomize.py``; no llamapool code knows about it). It sends
+``--requests`` streamed completions one at a time, and alternates them with
+an in-process ``Llama`` that tokenises the same text and generates up to its
+first token, which is what any server must do for it. Prints the median of
+each segment, in path order, and what is left of the client's TTFT outside
+the traced path (the client, the TCP hops, gunicorn's accept and read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from tests.bench import harness
+from tests.bench.bench_overhead import PROMPT
+
+HOOK_DIR = Path(__file__).with_name("hop_trace")
+
+#: (from, to, where, what): each segment ends at the first ``to`` after its
+#: ``from``; ``where`` says which process's records count (a label such as
+#: ``link.recv`` is recorded by every process).
+SEGMENTS = [
+    ("http.readable", "http.request", "frontend",
+     "gunicorn: request read whole, handed to a thread"),
+    ("http.request", "gate.in", "frontend",
+     "frontend: routing, auth, body read, JSON checked"),
+    ("gate.in", "gate.out", "frontend",
+     "frontend: prompt tokenised and checked against the context"),
+    ("gate.out", "write.Submit", "frontend",
+     "frontend: SUBMIT built, handed to its link thread, sent"),
+    ("write.Submit", "broker.submit.in", "broker",
+     "ZeroMQ frontend -> broker, SUBMIT decoded"),
+    ("broker.submit.in", "broker.submit.out", "broker",
+     "broker: slot leased, SUBMIT and ACCEPTED sent"),
+    ("broker.submit.out", "worker.msg.Submit", "worker",
+     "ZeroMQ broker -> worker, SUBMIT decoded"),
+    ("worker.msg.Submit", "worker.picked", "worker",
+     "worker: link thread hands the job to the main thread"),
+    ("worker.picked", "worker.prepared", "worker",
+     "worker: prompt-state lookup, KV-cache plan"),
+    ("worker.prepared", "worker.emit", "worker",
+     "MODEL: prefill and first token sampled"),
+    ("worker.emit", "write.Token", "worker",
+     "worker: TOKEN built, handed to its link thread, sent"),
+    ("write.Token", "broker.relay", "broker",
+     "ZeroMQ worker -> broker"),
+    ("broker.relay", "link.recv", "frontend",
+     "broker relays; ZeroMQ broker -> frontend"),
+    ("link.recv", "put.Token", "frontend",
+     "frontend: link thread decodes the TOKEN"),
+    ("put.Token", "sse.chunk", "frontend",
+     "frontend: request thread wakes, SSE chunk built"),
+    ("sse.chunk", "http.write", "frontend",
+     "gunicorn: headers and the chunk written to the socket"),
+]
+MODEL_SEGMENT = "MODEL: prefill and first token sampled"
+
+
+def read_records(prefix: str, since: float) -> list[tuple[float, str, int]]:
+    """Every process's records from ``since`` on (``perf_counter``, one clock
+    for all processes), as (time, label, pid), in time order."""
+    records = []
+    for path in glob.glob(prefix + ".*"):
+        pid = int(path.rsplit(".", 1)[1])
+        with open(path) as f:
+            for line in f:
+                label, t = line.split()
+                if float(t) >= since:
+                    records.append((float(t), label, pid))
+    records.sort()
+    return records
+
+
+def process_roles(records) -> dict[int, str]:
+    """pid -> frontend / broker / worker, by what each process recorded."""
+    roles = {}
+    for _, label, pid in records:
+        if label.startswith("http."):
+            roles[pid] = "frontend"
+        elif label.startswith("broker."):
+            roles[pid] = "broker"
+        elif label.startswith("worker."):
+            roles[pid] = "worker"
+    return roles
+
+
+def segments_of_requests(records) -> list[dict[str, float]]:
+    """Per request (one at a time, so a request is everything between two
+    ``http.readable`` records): each segment's length in ms."""
+    roles = process_roles(records)
+    starts = [i for i, (_, label, _) in enumerate(records) if label == "http.readable"]
+    out = []
+    for n, begin in enumerate(starts):
+        end = starts[n + 1] if n + 1 < len(starts) else len(records)
+        window = records[begin:end]
+        times: dict[str, float] = {"http.readable": window[0][0]}
+        for start, stop, where, what in SEGMENTS:
+            if start not in times:
+                break
+            at = next((t for t, label, pid in window
+                       if label == stop and roles.get(pid) == where
+                       and t >= times[start]), None)
+            if at is None:
+                break
+            times[stop] = at
+            out_ms = (at - times[start]) * 1000
+            out.append((n, what, out_ms))
+    per_request: dict[int, dict[str, float]] = {}
+    for n, what, ms in out:
+        per_request.setdefault(n, {})[what] = ms
+    return [v for v in per_request.values() if len(v) == len(SEGMENTS)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF (default: Gemma 3 270M)")
+    parser.add_argument("--threads", type=int,
+                        default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 5 requests")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests = 5
+    model = args.model or harness.default_model()
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = os.path.join(tmp, "hops")
+        env = dict(os.environ, LLAMAPOOL_HOP_TRACE=prefix, PYTHONPATH=os.pathsep.join(
+            [str(HOOK_DIR), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+        llama = harness.load_llama(model, args.threads)
+        server, url = harness.llamapool_up(model, workers=1, threads=args.threads,
+                                           env=env)
+        client_ttft, local_ttft = [], []
+        try:
+            harness.stream_once(url, PROMPT, 2)  # warm-up: the prefix cache
+            local_first_token(llama)
+            since = time.perf_counter()
+            for _ in range(args.requests):
+                client_ttft.append(harness.stream_once(url, PROMPT, 2).ttft_s * 1000)
+                local_ttft.append(local_first_token(llama) * 1000)
+        finally:
+            server.stop()  # the processes flush their records as they exit
+        rows = segments_of_requests(read_records(prefix, since))
+    if not rows:
+        raise SystemExit("no complete request in the records")
+    print(f"## Time to first token, hop by hop ({os.path.basename(model)}, "
+          f"{args.threads} thread(s), {len(rows)} of {args.requests} requests "
+          "traced whole, medians)\n")
+    table = []
+    for _, _, _, what in SEGMENTS:
+        table.append([what, harness.median([r[what] for r in rows])])
+    traced = harness.median([sum(r.values()) for r in rows])
+    model_ms = harness.median([r[MODEL_SEGMENT] for r in rows])
+    client = harness.median(client_ttft)
+    local = harness.median(local_ttft)
+    table += [
+        ["traced path: request readable to first chunk written", traced],
+        ["client TTFT (client sends -> reads the first token)", client],
+        ["outside it: the client's send, TCP both ways, epoll wake-up, "
+         "the client reading the event", client - traced],
+        ["in-process Llama: tokenise + prefill + first token", local],
+        ["added by the pool: client TTFT - in-process", client - local],
+        ["added by the pool, counted hop by hop: client TTFT - MODEL",
+         client - model_ms],
+    ]
+    print(harness.md_table(["segment", "ms (p50)"], table))
+    return 0
+
+
+def local_first_token(llama) -> float:
+    """Seconds to tokenise ``PROMPT`` and generate one token in process."""
+    started = time.perf_counter()
+    tokens = llama.tokenize(PROMPT.encode("utf-8"), special=True)
+    from workers.model import kv_cache
+    plan = kv_cache.plan_reuse(llama, tokens)
+    gen = llama.generate(plan.tokens, reset=plan.reset, **harness.SAMPLING)
+    try:
+        next(gen)
+    finally:
+        gen.close()
+    return time.perf_counter() - started
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
