@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int,
                         default=max(1, (os.cpu_count() or 2) // 2))
     parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument("--tokens", type=int, default=2,
+                        help="tokens per request (the reply the next request's "
+                             "prompt-cache step sees in the KV cache)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 5 requests")
     args = parser.parse_args(argv)
     if args.quick:
@@ -146,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             local_first_token(llama)
             since = time.perf_counter()
             for _ in range(args.requests):
-                client_ttft.append(harness.stream_once(url, PROMPT, 2).ttft_s * 1000)
+                client_ttft.append(
+                    harness.stream_once(url, PROMPT, args.tokens).ttft_s * 1000)
                 local_ttft.append(local_first_token(llama) * 1000)
         finally:
             server.stop()  # the processes flush their records as they exit
@@ -154,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         raise SystemExit("no complete request in the records")
     print(f"## Time to first token, hop by hop ({os.path.basename(model)}, "
-          f"{args.threads} thread(s), {len(rows)} of {args.requests} requests "
-          "traced whole, medians)\n")
+          f"{args.threads} thread(s), {args.tokens} tokens per request, {len(rows)} "
+          f"of {args.requests} requests traced whole, medians)\n")
     table = []
     for _, _, _, what in SEGMENTS:
         table.append([what, harness.median([r[what] for r in rows])])

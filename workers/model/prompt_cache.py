@@ -114,6 +114,18 @@ class PromptStateCache:
                 best_key, best_n = key, n
         return best_key, best_n
 
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """Whether a cached state starts with all of ``tokens``: saving them
+        again would only copy it (the same prompt sent again finds its last
+        reply in the KV cache). That state counts as just used."""
+        arr = np.asarray(tokens, dtype=np.intc)
+        for key, state in self._states.items():
+            if (len(state.tokens) >= len(arr)
+                    and common_prefix(state.tokens, arr) == len(arr)):
+                self._states.move_to_end(key)
+                return True
+        return False
+
     def take(self, key: int) -> CachedState | None:
         """Remove and return a state to restore it.
 
