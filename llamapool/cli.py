@@ -156,6 +156,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     setting_flag(p, "--cache-ram", W, "cache_ram_mib", type=_non_negative_int,
                  metavar="MIB")
     setting_flag(p, "--gpu-layers", W, "gpu_layers", type=int, metavar="N")
+    setting_flag(p, "--flash-attn", W, "flash_attn", choices=["on", "off"])
     _add_model_flags(p, W)
 
 

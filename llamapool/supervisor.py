@@ -181,7 +181,8 @@ def run_up(args: argparse.Namespace) -> int:
                                       "model_name": "--model-name",
                                       "embedding_batch_tokens": "--embedding-batch",
                                       "cache_ram_mib": "--cache-ram",
-                                      "gpu_layers": "--gpu-layers"})]
+                                      "gpu_layers": "--gpu-layers",
+                                      "flash_attn": "--flash-attn"})]
     frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
                      "--bind", f"{args.host}:{args.port}", "--model", model,
                      *shared, *liveness,

@@ -31,4 +31,5 @@ def load_engine(settings: WorkerSettings) -> Engine:
         embedding_batch_tokens=settings.embedding_batch_tokens,
         cache_ram_mib=settings.cache_ram_mib,
         n_gpu_layers=settings.gpu_layers,
+        flash_attn=settings.flash_attn == "on",
     )

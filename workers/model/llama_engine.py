@@ -79,6 +79,7 @@ class LlamaEngine:
         embedding_batch_tokens: int = DEFAULT_EMBEDDING_BATCH_TOKENS,
         cache_ram_mib: int = 0,
         n_gpu_layers: int = 0,
+        flash_attn: bool = False,
     ) -> None:
         # llama.cpp rounds the context up to a multiple of 256, but Llama sizes
         # its token record (input_ids) to the number passed in: past that
@@ -92,6 +93,7 @@ class LlamaEngine:
             n_threads_batch=n_threads,
             n_batch=n_batch,
             n_gpu_layers=n_gpu_layers,
+            flash_attn=flash_attn,
             verbose=False,
         )
         self.gpu = gpu_placement(self.llama)
