@@ -40,7 +40,7 @@ faults: $(STAMP_TEST)
 	bench-retry-after bench-output-controls bench-limits bench-web-page \
 	bench-thread-stepdown llama-server bench-cpu-per-token \
 	bench-llama-details bench-embeddings bench-conversations bench-prompt-state \
-	bench-ttft-hops
+	bench-ttft-hops bench-rounds
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -57,6 +57,11 @@ llama-server: $(STAMP_TEST)
 
 bench-throughput: llama-server
 	$(PY) -m tests.bench.bench_throughput $(BENCH_ARGS)
+
+# Concurrency 2 in interleaved rounds: pool, llama-server and the ceiling
+# side by side, so a few percent can be read through the machine's drift.
+bench-rounds: llama-server
+	$(PY) -m tests.bench.bench_rounds $(BENCH_ARGS)
 
 bench-cpu-per-token: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_cpu_per_token $(BENCH_ARGS)

@@ -1,0 +1,92 @@
+"""Concurrency 2, side by side in rounds: the pool, llama-server and the
+ceiling, interleaved so that this machine's drift falls on all alike.
+
+    make bench-rounds      # or: python -m tests.bench.bench_rounds
+
+``make bench-throughput`` runs its targets one after another, minutes apart,
+and this shared machine's speed drifts by 10-30% over minutes: a 5% gap
+(issue 15's 0.95 of the ceiling) cannot be read through that. Here every
+server is up at once (an idle one costs no CPU) and each round runs every
+target for ``--duration`` seconds in a rotating order, then the ceiling (two
+processes each running a bare ``Llama.generate`` loop with one thread, no
+HTTP). Printed: each target's median tokens/s over the rounds, and the
+median of its per-round ratios to the ceiling and to llama-server measured
+in the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+
+from tests.bench import harness
+from tests.bench.bench_throughput import PROMPT
+
+CEILING = "ceiling: 2 × Llama.generate (1 thread each)"
+LLAMA_SERVER = "llama-server -np 2 -t 2"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF (default: Gemma 3 270M)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--duration", type=float, default=15.0,
+                        help="seconds per target per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--ceiling-reps", type=int, default=4,
+                        help="generations per ceiling process per round")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 rounds of 3 s, 16 tokens")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.duration, args.tokens, args.ceiling_reps = 2, 3.0, 16, 1
+    model = args.model or harness.default_model()
+    starts = {
+        "llamapool up (2 workers × 1 thread)":
+            lambda: harness.llamapool_up(model, workers=2, threads=1),
+        "llamapool up (2 workers, --threads auto)":
+            lambda: harness.llamapool_up(model, workers=2, threads="auto"),
+        LLAMA_SERVER: lambda: harness.llama_server(model, slots=2, n_threads=2),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in [*starts, CEILING]}
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name, start in starts.items():
+            server, urls[name] = start()
+            stack.callback(server.stop)
+        names = list(urls)
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                report = harness.run_load(
+                    urls[name], concurrency=args.concurrency, requests=None,
+                    duration_s=args.duration, max_tokens=args.tokens,
+                    prompt=PROMPT, ignore_eos=True, wait_after_503_s=0.05)
+                rates[name].append(report["output_tokens_per_s"])
+            ceiling = harness.parallel_generate(
+                model, processes=2, n_threads=1, prompt=PROMPT,
+                n_tokens=args.tokens, reps=args.ceiling_reps)
+            rates[CEILING].append(ceiling["output_tokens_per_s"])
+            print(f"round {r + 1}, tokens/s: " + "; ".join(
+                f"{name}: {values[-1]:.1f}" for name, values in rates.items()),
+                flush=True)
+
+    def per_round(name: str, against: str) -> float:
+        return statistics.median(a / b for a, b in zip(rates[name], rates[against]))
+
+    print(f"\n## Concurrency {args.concurrency}, {args.rounds} interleaved rounds "
+          f"({os.path.basename(model)}, {args.tokens} tokens, ignore_eos, "
+          f"{args.duration:.0f} s per target per round, {os.cpu_count()} cores)\n")
+    print(harness.md_table(
+        ["target", "tokens/s (median)", "per round", "× ceiling (same round)",
+         "× llama-server -t 2 (same round)"],
+        [[name, statistics.median(values), " ".join(f"{v:.1f}" for v in values),
+          per_round(name, CEILING), per_round(name, LLAMA_SERVER)]
+         for name, values in rates.items()]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
