@@ -280,7 +280,7 @@ class Broker:
         and that the body names the job this worker holds, so a frame never
         reaches another job's client. The frontend decodes every frame anyway
         and checks the rest; a broken TOKEN comes back as a CANCEL that says
-        so (``_on_cancel``), and is then handled as a broken frame here is.
+        so (``_on_broken_job``), and is then handled as a broken frame here is.
         """
         slot = self.ledger.workers.get(identity)
         if slot is None or slot.job_id is None:
