@@ -21,34 +21,8 @@ import llama_cpp
 import pytest
 
 from protocol.payloads import GenerationRequest, Sampling
+from tests.null_sink import RecordingSink
 from workers.model.llama_engine import LlamaEngine
-
-
-class RecordingSink:
-    """A JobSink that records output and can cancel after N frames."""
-
-    def __init__(self, cancel_after: int | None = None) -> None:
-        self.frames: list[tuple[str, int]] = []
-        self.cancel_after = cancel_after
-
-    def emit(self, text, n_tokens):
-        self.frames.append((text, n_tokens))
-
-    def should_stop(self):
-        return self.cancel_after is not None and len(self.frames) >= self.cancel_after
-
-    def wait_for_credit(self):
-        return True
-
-    def report_progress(self, *args):
-        pass
-
-    def threads_to_use(self, current: int) -> int:
-        return current
-
-    @property
-    def text(self):
-        return "".join(t for t, _ in self.frames)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import llama_cpp
 import pytest
 
 from protocol.payloads import GenerationRequest, Sampling
-from tests.null_sink import NullSink
+from tests.null_sink import NullSink, RecordingSink
 from workers.model.llama_engine import LlamaEngine
 from workers.model.prompt_cache import PromptStateCache
 
@@ -116,9 +116,9 @@ def test_a_state_already_cached_is_not_saved_again(tiny_model, monkeypatch):
     monkeypatch.setattr(llama_cpp, "llama_state_seq_get_data", counting_get_data)
 
     def answer() -> tuple[str, int]:
-        sink = TextSink()
+        sink = RecordingSink()
         result = engine.run(request, sink)
-        return "".join(sink.pieces) + result.tail_text, result.cached_tokens
+        return sink.text + result.tail_text, result.cached_tokens
 
     texts = [answer()[0] for _ in range(4)]
     # The second run saves the first one's prompt and reply; after that the
@@ -134,10 +134,3 @@ def test_a_state_already_cached_is_not_saved_again(tiny_model, monkeypatch):
     assert cached > 100
     assert text == texts[0]
 
-
-class TextSink(NullSink):
-    def __init__(self) -> None:
-        self.pieces: list[str] = []
-
-    def emit(self, text: str, n_tokens: int, **frame_extras) -> None:
-        self.pieces.append(text)

@@ -101,25 +101,21 @@ def segments_of_requests(records) -> list[dict[str, float]]:
     roles = process_roles(records)
     starts = [i for i, (_, label, _) in enumerate(records) if label == "http.readable"]
     out = []
-    for n, begin in enumerate(starts):
-        end = starts[n + 1] if n + 1 < len(starts) else len(records)
+    for begin, end in zip(starts, [*starts[1:], len(records)]):
         window = records[begin:end]
-        times: dict[str, float] = {"http.readable": window[0][0]}
+        times = {"http.readable": window[0][0]}
+        lengths: dict[str, float] = {}
         for start, stop, where, what in SEGMENTS:
-            if start not in times:
-                break
             at = next((t for t, label, pid in window
                        if label == stop and roles.get(pid) == where
                        and t >= times[start]), None)
             if at is None:
-                break
+                break  # a request not traced whole: left out
             times[stop] = at
-            out_ms = (at - times[start]) * 1000
-            out.append((n, what, out_ms))
-    per_request: dict[int, dict[str, float]] = {}
-    for n, what, ms in out:
-        per_request.setdefault(n, {})[what] = ms
-    return [v for v in per_request.values() if len(v) == len(SEGMENTS)]
+            lengths[what] = (at - times[start]) * 1000
+        else:
+            out.append(lengths)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -282,20 +282,24 @@ class Broker:
         and checks the rest; a broken TOKEN comes back as a CANCEL that says
         so (``_on_broken_job``), and is then handled as a broken frame here is.
         """
-        slot = self.ledger.workers.get(identity)
+        now = time.monotonic()
+        slot = self.ledger.touch_worker(identity, now)
         if slot is None or slot.job_id is None:
             return False
         job = self.ledger.jobs[slot.job_id]
         if not messages.is_token_of(body, job.tag):
             return False
-        slot.last_seen = time.monotonic()
-        job.heard = True
         self.counters["tokens_relayed"] += 1
-        if not self._send(self._frontend_sock, job.frontend, body):
+        self._relay(job, body, now)
+        return True
+
+    def _relay(self, job: ledger_mod.Job, frames: list[bytes], now: float) -> None:
+        """Pass one of the job's TOKEN frames to its frontend, decoded or not."""
+        job.heard = True
+        if not self._to_frontend(job.frontend, frames):
             # Its frontend is gone: stop the work instead of computing
             # tokens nobody will read.
-            self._on_cancel(job.frontend, job.job_id, slot.last_seen)
-        return True
+            self._on_cancel(job.frontend, job.job_id, now)
 
     def _recv_authorized(self, sock: zmq.Socket, role: str) -> list[bytes] | None:
         """One message, or None if its sender's key is no longer authorized.
@@ -595,14 +599,12 @@ class Broker:
                 self.counters["stale_frames"] += 1
                 return
             job = self.ledger.jobs[msg.job_id]
-            job.heard = True
-            delivered = self._to_frontend(job.frontend, raw)
             if isinstance(msg, messages.TERMINAL):
+                job.heard = True
+                self._to_frontend(job.frontend, raw)
                 self._finish(job, msg, now)
-            elif not delivered:
-                # Its frontend is gone: stop the work instead of computing
-                # tokens nobody will read.
-                self._on_cancel(job.frontend, job.job_id, now)
+            else:
+                self._relay(job, raw, now)
         else:
             self.counters["protocol_violation"] += 1
             self._log.warning("worker violation", "worker sent %s; disconnecting it",
