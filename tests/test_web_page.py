@@ -77,6 +77,7 @@ def page(web_pool, browser):
     """The page freshly opened, with an empty browser storage."""
     browser.set_window_size(1280, 800)
     emulate(browser, "light")
+    slow_network(browser, bytes_per_s=-1)  # -1: no limit
     browser.get(web_pool.url + "/")
     browser.execute_script("localStorage.clear()")
     browser.get(web_pool.url + "/")
@@ -103,6 +104,15 @@ def wait_for(driver, js_condition: str, timeout_s: float = BROWSER_WAIT_S):
 def emulate(driver, scheme: str) -> None:
     driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {
         "features": [{"name": "prefers-color-scheme", "value": scheme}]})
+
+
+def slow_network(driver, bytes_per_s: int) -> None:
+    """Deliver responses to the page at most this fast (Chromium's network
+    emulation), until the next ``page`` fixture resets it."""
+    driver.execute_cdp_cmd("Network.enable", {})
+    driver.execute_cdp_cmd("Network.emulateNetworkConditions", {
+        "offline": False, "latency": 0,
+        "downloadThroughput": bytes_per_s, "uploadThroughput": -1})
 
 
 def with_key(driver, pool: Pool) -> None:
@@ -199,6 +209,12 @@ def test_asks_for_the_key_after_a_401_then_streams(page, web_pool, tmp_path):
 
     d = page
     wait_for(d, "!document.getElementById('key-form').hidden")
+    # The tiny model can write 400 tokens faster than the page paints once
+    # (it paints on animation frames), and a loaded machine may deliver the
+    # whole stream in one read. A slow network spreads the stream over
+    # seconds, as a real one would, so "seen growing" does not hang on
+    # timing.
+    slow_network(d, bytes_per_s=24_000)
     set_setting(d, "set-max-tokens", 400)
     set_setting(d, "set-ignore-eos", True)
     # Record the answer's length at every DOM change while it streams.
@@ -220,6 +236,7 @@ def test_asks_for_the_key_after_a_401_then_streams(page, web_pool, tmp_path):
     assert d.execute_script("return localStorage.getItem('llamapool.apiKey')") == KEY
     growth = [n for n in d.execute_script("return window.__lengths") if n > 0]
     assert len(set(growth)) >= 2, growth  # seen growing, not only at the end
+    print(f"painted {len(set(growth))} lengths while streaming")
     assert growth == sorted(growth)
     answer = d.execute_script(
         "return document.querySelector('.message.assistant .body').textContent")
