@@ -118,6 +118,26 @@ def test_slots_and_metrics_show_the_cache(one_worker):
     assert metric(one_worker, "llamapool_prompt_cache_bytes") == cache["bytes_used"]
 
 
+def test_a_finished_conversation_is_saved_while_the_worker_is_idle(
+        tiny_model, tmp_path):
+    """The state is saved after the answer, not when the next prompt moves
+    the worker away from it; /slots shows it without another request."""
+    pool = Pool(tiny_model, tmp_path, workers=1)
+    try:
+        first = complete(pool, OPENINGS[0])
+        wait_until(lambda: slot_entries(pool)[0]["prompt_cache"]["states"] == 1,
+                   60, "the finished conversation's state in /slots")
+        # The follow-up continues the live sequence; the saved state is kept
+        # for the turn after another conversation.
+        follow_up = complete(pool, OPENINGS[0] + MORE)
+        assert cached(follow_up) >= prompt_tokens(first) - 1
+        complete(pool, OPENINGS[1])
+        assert cached(complete(pool, OPENINGS[0] + MORE + " ok")) > 100
+        pool.assert_whole()
+    finally:
+        pool.stop()
+
+
 def test_no_cache_worker_says_so(no_cache):
     complete(no_cache, OPENINGS[0])
     complete(no_cache, OPENINGS[1])

@@ -277,6 +277,13 @@ class LlamaEngine:
             self.llama.n_threads = self.llama.n_threads_batch = wanted
             self.n_threads = wanted
 
+    def idle(self) -> bool:
+        """Work for the time between jobs (the worker calls it when no job
+        waits): save the live sequence, which the next job that moves away
+        from it would otherwise save inside its own time to first token.
+        True if the prompt cache changed."""
+        return self.reuse.save_live()
+
     def prompt_cache_report(self) -> tuple[list[list[int]], object]:
         """What CACHE_REPORT carries: fingerprint lists (live sequence
         first) and the cache's figures (``protocol.prompt_cache``)."""

@@ -5,8 +5,11 @@ can serve (``kv_cache.reusable_prefix``) with the longest prefix among the
 saved states (``prompt_cache.PromptStateCache``); the longer one wins, even
 when that means replacing the sequence already loaded (llama.cpp's server
 stops at the loaded one, ggml-org/llama.cpp#28276). Before the live sequence
-is cut by more than a block of tokens, it is saved. Then ``kv_cache.plan_reuse``
-trims the KV cache exactly as it did before there was a cache.
+is cut by more than a block of tokens, it is saved, unless it was saved
+already: the worker calls ``save_live`` between jobs when none waits, so a
+new conversation mostly finds the one it displaces saved in idle time, not
+in its own time to first token. Then ``kv_cache.plan_reuse`` trims the KV
+cache exactly as it did before there was a cache.
 
 States are per sequence (``llama_state_seq_get_data`` / ``set_data`` on
 sequence 0): the KV cells only. The whole-context ``Llama.save_state`` also
@@ -81,6 +84,16 @@ class PromptReuse:
             self.cache.misses += 1
         return plan
 
+    def save_live(self) -> bool:
+        """Save the live sequence now, if it is worth a state and not held
+        yet; True if a state was added. Between jobs, so that the next job
+        that moves away from this sequence does not copy it in its own time
+        to first token."""
+        n = self.live_length()
+        if not self.cache.enabled or n < MIN_STATE_TOKENS:
+            return False
+        return self._save_live(n)
+
     # --- llama.cpp state ---
 
     def live_length(self) -> int:
@@ -92,29 +105,31 @@ class PromptReuse:
         return max(0, min(self.llama.n_tokens, pos_max + 1,
                           len(self.llama.input_ids)))
 
-    def _save_live(self, n: int) -> None:
-        # A save copies the whole KV state in the new job's time to first
-        # token (6.5 ms for 128 tokens of Gemma): not for a copy of a copy.
+    def _save_live(self, n: int) -> bool:
+        """Save the first ``n`` tokens' state; True if it was added."""
+        # A save copies the whole KV state (6.5 ms for 128 tokens of Gemma):
+        # not for a copy of a copy.
         if self.cache.holds(self.llama.input_ids[:n]):
-            return
+            return False
         mem = llama_cpp.llama_get_memory(self.llama._ctx.ctx)
         # An SWA cache that already evicted the start of the sequence
         # (swa_full off) could only serve prompts ending near its end.
         if llama_cpp.llama_memory_seq_pos_min(mem, _SEQ) > 0:
-            return
+            return False
         ctx = self.llama._ctx.ctx
         size = llama_cpp.llama_state_seq_get_size(ctx, _SEQ)
         if size <= 0 or size + 4 * n > self.cache.limit_bytes:
             self.cache.dropped += 1
-            return
+            return False
         buf = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data(ctx, buf, size, _SEQ)
         if written <= 0 or written > size:
             log.warning("saving a prompt state failed (%d of %d bytes)",
                         written, size)
             self.cache.dropped += 1
-            return
-        self.cache.put(self.llama.input_ids[:n], ctypes.string_at(buf, written))
+            return False
+        return self.cache.put(self.llama.input_ids[:n],
+                              ctypes.string_at(buf, written))
 
     def _restore(self, key: int) -> bool:
         """Load a saved state as the live sequence; False (and an empty KV

@@ -3,7 +3,8 @@
 Two threads:
 
 * the main thread runs jobs through the engine and hands their frames to the
-  broker connection (``protocol.link``);
+  broker connection (``protocol.link``); between jobs, when none waits, it
+  gives the engine its idle time (saving the prompt state just finished);
 * the connection's thread owns the DEALER to the broker. It sends those
   frames, heartbeats every interval (also while a token is being computed:
   ctypes releases the GIL during decode), and calls this module back with
@@ -335,6 +336,8 @@ class ModelWorker(LinkHandler):
                 except queue.Empty:
                     continue
                 self._run_job(job)
+                if self._jobs.empty() and not stop.is_set():
+                    self._use_idle_time()
             # A job may have been handed over just before the stop.
             while True:
                 try:
@@ -389,6 +392,25 @@ class ModelWorker(LinkHandler):
         if report is not None:
             self._link.send(report)
         self._link.send(msg)
+
+    def _use_idle_time(self) -> None:
+        """Between jobs, none waiting: let the engine do what the next job
+        would otherwise do in its time to first token (save the prompt state
+        it is about to move away from). A job that arrives meanwhile waits
+        for that to end, no longer than it would have taken in its own time.
+        The broker hears what changed, for routing and ``/slots``."""
+        idle = getattr(self.engine, "idle", None)
+        if idle is None:
+            return
+        try:
+            changed = idle()
+        except Exception:  # the worker serves on; the next job saves lazily
+            log.exception("the engine's work between jobs failed")
+            return
+        if changed:
+            report = self._cache_report()
+            if report is not None:
+                self._link.send(report)
 
     def _cache_report(self) -> messages.CacheReport | None:
         """What the engine holds now (None: an engine without a prompt
@@ -451,10 +473,15 @@ class ModelWorker(LinkHandler):
 
     def forward(self, msg: messages.Message) -> bool:
         # Everything the main thread sends is a frame of the current job
-        # (or, just before its terminal frame, the CACHE_REPORT it caused).
+        # (or, just before its terminal frame, the CACHE_REPORT it caused),
+        # or a CACHE_REPORT made between jobs.
         job = self._job
         if isinstance(msg, messages.ThreadsSet):
             return True  # about the worker, not the job
+        if isinstance(msg, messages.CacheReport) and job is None:
+            # Made between jobs (``_use_idle_time``): for the broker that
+            # knows us; a new one hears the latest report after READY.
+            return self._registration.confirmed
         if isinstance(msg, messages.TERMINAL):
             self._job = None
         return job is not None and not job.orphaned
