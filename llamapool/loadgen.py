@@ -2,8 +2,8 @@
 
 Drives any server that speaks ``/v1/completions`` or ``/v1/chat/completions``
 with SSE (ours, llama.cpp's ``llama-server``, llama-cpp-python's server) from
-``concurrency`` closed-loop clients on one ``httpx.AsyncClient``, and reports
-throughput and latency percentiles:
+``concurrency`` closed-loop clients, and reports throughput and latency
+percentiles:
 
 * TTFT: request sent to the first chunk that carries text;
 * inter-token latency (ITL): gaps between successive text chunks;
@@ -17,22 +17,30 @@ not an error) and the client moves on to its next request, at once or after
 small machine steals CPU from the server it measures). A stream
 that ends with ``data: {"error": ...}`` or without ``[DONE]``/finish_reason is
 a failure even though its HTTP status was 200.
+
+Each client is a thread with one keep-alive ``http.client`` connection. The
+load generator usually shares the machine with the server it measures, and
+on a small one every wake-up it costs per token is taken from the server:
+an ``httpx.AsyncClient`` spent about 0.9 ms of CPU per streamed token here,
+blocking ``http.client`` reads about 0.26 ms, and the server under test
+streamed 8% more tokens/s beside it (BENCHMARKS.md section 14).
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
+import http.client
 import json
-import logging
 import math
 import os
+import ssl
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import TextIO
-
-import httpx
+from urllib.parse import urlsplit
 
 DEFAULT_PROMPT = "Write a short story about a llama who learns to fly."
 #: How often the progress line on stderr is redrawn.
@@ -122,12 +130,22 @@ def _error_kind(error: object) -> str:
     return "stream error"
 
 
-async def _read_stream(response: httpx.Response, result: RequestResult,
-                       started: float) -> None:
+def _sse_lines(response: http.client.HTTPResponse) -> Iterator[str]:
+    """The response body's lines, without their line ends (chunked or not:
+    ``http.client`` undoes the transfer encoding)."""
+    while True:
+        line = response.readline()
+        if not line:
+            return
+        yield line.decode("utf-8", "replace").rstrip("\r\n")
+
+
+def _read_stream(lines: Iterator[str], result: RequestResult,
+                 started: float) -> None:
     """Consume SSE events, filling in timings, tokens and how the stream ended."""
     last_text_at: float | None = None
     finished = False
-    async for line in response.aiter_lines():
+    for line in lines:
         # llama.cpp's server has sent mid-stream errors as "error: {...}".
         is_error_line = line.startswith("error:")
         if not (line.startswith("data:") or is_error_line):
@@ -167,24 +185,59 @@ async def _read_stream(response: httpx.Response, result: RequestResult,
         result.error = "stream ended early"
 
 
-async def one_request(client: httpx.AsyncClient, config: BenchConfig) -> RequestResult:
-    """Send one streamed request and time it."""
-    result = RequestResult()
-    started = time.perf_counter()
-    try:
-        async with client.stream("POST", config.endpoint_url, json=config.body(),
-                                 headers=config.headers()) as response:
-            result.status = response.status_code
-            if response.status_code == 200:
-                await _read_stream(response, result, started)
+class Client:
+    """One closed-loop client: a keep-alive connection, reopened after a
+    failure (a stream broken off, a response not read to its end)."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.config = config
+        parts = urlsplit(config.endpoint_url)
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or "localhost"
+        self._port = parts.port
+        self._path = parts.path + (f"?{parts.query}" if parts.query else "")
+        self._body = json.dumps(config.body()).encode("utf-8")
+        self._headers = {"Content-Type": "application/json", **config.headers()}
+        self._conn: http.client.HTTPConnection | None = None
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            if self._https:
+                self._conn = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=self.config.timeout_s,
+                    context=ssl.create_default_context())
             else:
-                await response.aread()
-                if response.status_code != 503:
-                    result.error = f"http {response.status_code}"
-    except httpx.HTTPError as exc:
-        result.error = type(exc).__name__
-    result.latency_s = time.perf_counter() - started
-    return result
+                self._conn = http.client.HTTPConnection(
+                    self._host, self._port, timeout=self.config.timeout_s)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def one_request(self) -> RequestResult:
+        """Send one streamed request and time it."""
+        result = RequestResult()
+        started = time.perf_counter()
+        try:
+            conn = self._connection()
+            conn.request("POST", self._path, self._body, self._headers)
+            response = conn.getresponse()
+            result.status = response.status
+            if response.status == 200:
+                _read_stream(_sse_lines(response), result, started)
+            if not result.error:
+                response.read()  # the rest, so the connection can be reused
+            if response.status not in (200, 503):
+                result.error = f"http {response.status}"
+            if result.error or response.will_close:
+                self.close()
+        except (OSError, http.client.HTTPException) as exc:
+            result.error = type(exc).__name__
+            self.close()
+        result.latency_s = time.perf_counter() - started
+        return result
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -276,53 +329,47 @@ class ProgressLine:
         self.out.flush()
 
 
-async def run_bench(config: BenchConfig, progress: TextIO | None = None) -> dict:
+def run_bench(config: BenchConfig, progress: TextIO | None = None) -> dict:
     """Run the load and return the summary (see ``summarize``)."""
     results: list[RequestResult] = []
     issued = 0
-    # Set once the client is built: making httpx's client (its SSL context)
-    # took over a second on a loaded machine, and a 1 s run then sent nothing.
-    started = deadline = None
+    turn_lock = threading.Lock()
+    started = time.perf_counter()
+    deadline = None if config.duration_s is None else started + config.duration_s
 
     def take_turn() -> bool:
         nonlocal issued
-        if config.requests is not None and issued >= config.requests:
-            return False
-        if deadline is not None and time.perf_counter() >= deadline:
-            return False
-        issued += 1
-        return True
+        with turn_lock:
+            if config.requests is not None and issued >= config.requests:
+                return False
+            if deadline is not None and time.perf_counter() >= deadline:
+                return False
+            issued += 1
+            return True
 
-    async def client_loop(client: httpx.AsyncClient) -> None:
-        while take_turn():
-            result = await one_request(client, config)
-            results.append(result)
-            if result.status == 503 and config.wait_after_503_s > 0:
-                await asyncio.sleep(config.wait_after_503_s)
+    def client_loop() -> None:
+        client = Client(config)
+        try:
+            while take_turn():
+                result = client.one_request()
+                results.append(result)  # list.append is atomic
+                if result.status == 503 and config.wait_after_503_s > 0:
+                    time.sleep(config.wait_after_503_s)
+        finally:
+            client.close()
 
+    threads = [threading.Thread(target=client_loop, name=f"bench-client-{i}",
+                                daemon=True)
+               for i in range(config.concurrency)]
+    for thread in threads:
+        thread.start()
     line = ProgressLine(progress, config.requests, config.duration_s) \
         if progress is not None else None
-
-    async def redraw() -> None:
-        while True:
-            line.draw(results)
-            await asyncio.sleep(PROGRESS_INTERVAL_S)
-
-    limits = httpx.Limits(max_connections=config.concurrency,
-                          max_keepalive_connections=config.concurrency)
-    timeout = httpx.Timeout(config.timeout_s, connect=min(10.0, config.timeout_s))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        started = time.perf_counter()
-        if config.duration_s is not None:
-            deadline = started + config.duration_s
-        drawer = asyncio.create_task(redraw()) if line else None
-        try:
-            await asyncio.gather(
-                *(client_loop(client) for _ in range(config.concurrency))
-            )
-        finally:
-            if drawer is not None:
-                drawer.cancel()
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(PROGRESS_INTERVAL_S)
+            if line:
+                line.draw(results)
     wall_s = time.perf_counter() - started
     if line:
         line.draw(results, final=True)
@@ -392,10 +439,8 @@ def config_from_args(args) -> BenchConfig:
 def main(args) -> int:
     """Entry point for ``llamapool bench``; 0 even when requests failed."""
     config = config_from_args(args)
-    # httpx logs every request at INFO; that would drown the report.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     show_progress = not args.no_progress and sys.stderr.isatty()
-    report = asyncio.run(run_bench(config, sys.stderr if show_progress else None))
+    report = run_bench(config, sys.stderr if show_progress else None)
     if args.json:
         print(json.dumps(report))
     else:

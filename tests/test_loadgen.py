@@ -152,7 +152,7 @@ def test_bench_exits_zero_when_requests_fail():
     port = free_port()  # nothing listens here
     report = bench(f"http://127.0.0.1:{port}", "--requests", "2")
     assert report["requests_failed"] == 2
-    assert report["errors"] == {"ConnectError": 2}
+    assert report["errors"] == {"ConnectionRefusedError": 2}
     assert report["status_counts"] == {"none": 2}
     assert report["ttft_ms"]["p50"] is None
 

@@ -26,18 +26,24 @@ import time
 import urllib.request
 from pathlib import Path
 
+import httpx
+
 from tests.bench import harness
 from tests.pool import Pool, wait_until
 
 PROMPT = "Write a short story about a llama."
 
 
+#: Keep-alive connections for both streams (httpx.Client is thread-safe): a
+#: new connection per request would add its setup to B's TTFT.
+CLIENT = httpx.Client(timeout=600)
+
+
 def stream(url: str, max_tokens: int, arrivals: list[float]) -> None:
     """A streamed completion; appends each token event's arrival time."""
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0}
-    with harness._client().stream("POST", url + "/v1/completions",
-                                  json=body) as resp:
+    with CLIENT.stream("POST", url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if line.startswith("data: {") and '"text"' in line:

@@ -7,7 +7,6 @@ process started as a user starts it, and stopped with SIGTERM.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import signal
@@ -227,7 +226,7 @@ def llama_server(model: str, slots: int, n_threads: int, *, ctx: int = 2048
 
 def run_load(url: str, **config) -> dict:
     """One ``llamapool bench`` run in this process; returns its report."""
-    return asyncio.run(loadgen.run_bench(loadgen.BenchConfig(base_url=url, **config)))
+    return loadgen.run_bench(loadgen.BenchConfig(base_url=url, **config))
 
 
 # --- in-process generation -----------------------------------------------------
@@ -303,42 +302,20 @@ def generate_loop(llama, prompt: str, n_tokens: int, processors) -> LoopTiming:
 _CLIENTS: dict = {}
 
 
-def _client():
-    """One keep-alive client per process. A fresh ``httpx`` client per request
-    builds an SSL context and a TCP connection first (~20 ms here), which is
-    client cost, not the server's TTFT; real clients keep connections open."""
-    import httpx
-
-    if "client" not in _CLIENTS:
-        _CLIENTS["client"] = httpx.Client(timeout=600)
-    return _CLIENTS["client"]
-
-
 def stream_once(url: str, prompt: str, max_tokens: int) -> LoopTiming:
-    """One streamed completion over HTTP, timed like ``generate_loop``."""
-    import json
-
-    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    started = time.perf_counter()
-    first = None
-    tokens = 0
-    with _client().stream("POST", loadgen.api_base(url) + "/completions",
-                          json=body) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event['error']}")
-            if first is None and any(c.get("text") for c in event.get("choices", [])):
-                first = time.perf_counter()
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-    ended = time.perf_counter()
-    return LoopTiming(ttft_s=(first or ended) - started, total_s=ended - started,
-                      tokens=tokens)
+    """One streamed completion over HTTP, timed like ``generate_loop``, by
+    ``llamapool bench``'s client. It keeps its connection open, as real
+    clients do: a new connection per request cost ~20 ms here, which is the
+    client's cost, not the server's TTFT."""
+    key = (url, prompt, max_tokens)
+    if key not in _CLIENTS:
+        _CLIENTS[key] = loadgen.Client(loadgen.BenchConfig(
+            base_url=url, max_tokens=max_tokens, prompt=prompt, ignore_eos=True))
+    result = _CLIENTS[key].one_request()
+    if not result.ok:
+        raise RuntimeError(f"stream failed: {result.status} {result.error}")
+    return LoopTiming(ttft_s=result.ttft_s or result.latency_s,
+                      total_s=result.latency_s, tokens=result.output_tokens)
 
 
 def _generate_in_child(model: str, n_threads: int, prompt: str, n_tokens: int,
