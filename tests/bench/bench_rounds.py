@@ -10,8 +10,15 @@ server is up at once (an idle one costs no CPU) and each round runs every
 target for ``--duration`` seconds in a rotating order, then the ceiling (two
 processes each running a bare ``Llama.generate`` loop with one thread, no
 HTTP). Printed: each target's median tokens/s over the rounds, and the
-median of its per-round ratios to the ceiling and to llama-server measured
-in the same round.
+median of its per-round ratios to the ceiling, to llama-server and to the
+floor measured in the same round.
+
+The floor (``tests.bench.floor_pool``) has the pool's processes and ZeroMQ
+hops and none of its code: what it loses against the ceiling is what that
+shape costs on this machine, whatever the code; what ``llamapool up`` loses
+against the floor is ours. llama-server runs twice: as it starts by default
+(flash attention ``auto``, so on for this CPU) and with ``-fa off``, as our
+workers run by default (README, "Flash attention").
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from tests.bench.bench_throughput import PROMPT
 
 CEILING = "ceiling: 2 × Llama.generate (1 thread each)"
 LLAMA_SERVER = "llama-server -np 2 -t 2"
+FLOOR = "floor: the pool's processes and hops, no work (2 × 1 thread)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         "llamapool up (2 workers, --threads auto)":
             lambda: harness.llamapool_up(model, workers=2, threads="auto"),
         LLAMA_SERVER: lambda: harness.llama_server(model, slots=2, n_threads=2),
+        "llama-server -np 2 -t 2 -fa off": lambda: harness.llama_server(
+            model, slots=2, n_threads=2, extra=("-fa", "off")),
+        FLOOR: lambda: harness.floor_pool(model),
     }
     rates: dict[str, list[float]] = {name: [] for name in [*starts, CEILING]}
     with contextlib.ExitStack() as stack:
@@ -81,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.duration:.0f} s per target per round, {os.cpu_count()} cores)\n")
     print(harness.md_table(
         ["target", "tokens/s (median)", "per round", "× ceiling (same round)",
-         "× llama-server -t 2 (same round)"],
+         "× llama-server -t 2 (same round)", "× floor (same round)"],
         [[name, statistics.median(values), " ".join(f"{v:.1f}" for v in values),
-          per_round(name, CEILING), per_round(name, LLAMA_SERVER)]
+          per_round(name, CEILING), per_round(name, LLAMA_SERVER),
+          per_round(name, FLOOR)]
          for name, values in rates.items()]))
     return 0
 

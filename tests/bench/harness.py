@@ -212,8 +212,8 @@ def llama_cpp_server(model: str, n_threads: int, *, ctx: int = 2048,
     return Server("llama-cpp-server", argv, url + "/v1/models"), url
 
 
-def llama_server(model: str, slots: int, n_threads: int, *, ctx: int = 2048
-                 ) -> tuple[Server, str]:
+def llama_server(model: str, slots: int, n_threads: int, *, ctx: int = 2048,
+                 extra: tuple[str, ...] = ()) -> tuple[Server, str]:
     """llama.cpp's ``llama-server`` (built from the workers' own llama.cpp,
     ``tests.bench.llama_server``) on a free port."""
     from tests.bench import llama_server as build
@@ -221,7 +221,16 @@ def llama_server(model: str, slots: int, n_threads: int, *, ctx: int = 2048
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = build.argv(model, slots=slots, n_threads=n_threads, port=port, ctx=ctx)
-    return Server("llama-server", argv, url + "/health"), url
+    return Server("llama-server", [*argv, *extra], url + "/health"), url
+
+
+def floor_pool(model: str) -> tuple[Server, str]:
+    """``tests.bench.floor_pool``: llamapool's processes and hops, no work."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "tests.bench.floor_pool", "--model", model,
+            "--port", str(port)]
+    return Server("floor-pool", argv, url + "/health"), url
 
 
 def run_load(url: str, **config) -> dict:

@@ -1,0 +1,225 @@
+"""The floor: a pool with llamapool's shape and nothing else (issue 15).
+
+    python -m tests.bench.floor_pool --model GGUF --port P   # bench-rounds starts it
+
+Not llamapool, and not for use: a yardstick. It has the processes and the
+ZeroMQ hops of ``llamapool up --workers 2 --threads 1`` (an HTTP frontend, a
+ROUTER-to-ROUTER broker over ipc, two model processes each decoding with one
+thread), and none of the rest: no heartbeats, no ledger beyond "which worker
+is idle", no validation, no tokeniser at the frontend, no credit, no
+metrics, no link threads. Each process has one thread of its own (libzmq
+adds its I/O thread), so a token costs the fewest wake-ups any design with
+these processes can: the worker sends its frame from the decoding thread,
+the broker relays it, and the frontend's one thread writes it to the client.
+
+What llamapool up reaches against this floor, side by side in the same round
+(``make bench-rounds``), is what our own code costs; what the floor itself
+loses against two bare in-process loops is what separate processes and
+ZeroMQ cost on this machine, for any design.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import tempfile
+
+import llama_cpp
+import zmq
+
+from tests.bench import harness
+from workers.model import kv_cache
+
+#: Frames: (command, job id, payload).
+SUBMIT, TOKEN, END = b"S", b"T", b"E"
+
+
+def worker_main(model: str, endpoint: str, loaded) -> None:
+    """Decode with one thread; send each token's text from the decoding thread."""
+    llama = harness.load_llama(model, 1)
+    processors = harness.ban_eog(llama)
+    harness.generate_loop(llama, "warm up", 4, processors)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send_multipart([b"READY", b"", b""])
+    loaded.release()
+    vocab = llama._model.vocab
+    while True:
+        _, job_id, body = sock.recv_multipart()
+        prompt, n_tokens = json.loads(body)
+        tokens = llama.tokenize(prompt.encode(), special=True)
+        plan = kv_cache.plan_reuse(llama, tokens)  # reuse as the worker does
+        gen = llama.generate(plan.tokens, reset=plan.reset,
+                             logits_processor=processors, **harness.SAMPLING)
+        n = 0
+        try:
+            for token in gen:
+                n += 1
+                piece = llama_piece(vocab, token)
+                sock.send_multipart([TOKEN, job_id, piece])
+                if n >= n_tokens:
+                    break
+        finally:
+            gen.close()
+        sock.send_multipart([END, job_id, str(n).encode()])
+
+
+def llama_piece(vocab, token: int) -> bytes:
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
+    return buf.raw[:max(n, 0)]
+
+
+def broker_main(frontend_ep: str, worker_ep: str) -> None:
+    """Relay: SUBMIT to an idle worker, its frames back to the frontend."""
+    ctx = zmq.Context.instance()
+    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    front.bind(frontend_ep)
+    back.bind(worker_ep)
+    idle: list[bytes] = []
+    owner: dict[bytes, bytes] = {}
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    poller.register(back, zmq.POLLIN)
+    while True:
+        for sock, _ in poller.poll():
+            if sock is back:
+                worker, command, job_id, body = back.recv_multipart()
+                if command == b"READY":
+                    idle.append(worker)
+                    continue
+                front.send_multipart([owner[job_id], command, job_id, body])
+                if command == END:
+                    del owner[job_id]
+                    idle.append(worker)
+            else:
+                peer, command, job_id, body = front.recv_multipart()
+                if not idle:  # the load never asks for more than the slots
+                    front.send_multipart([peer, END, job_id, b"0"])
+                    continue
+                owner[job_id] = peer
+                back.send_multipart([idle.pop(0), SUBMIT, job_id, body])
+
+
+class Conn:
+    """One client connection at the frontend."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+
+
+def sse(event: dict) -> bytes:
+    data = b"data: " + json.dumps(event).encode() + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+HEADERS = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+           b"Transfer-Encoding: chunked\r\n\r\n")
+HEALTH = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+def frontend_main(port: int, broker_ep: str) -> None:
+    """HTTP in, SUBMIT out, frames to SSE chunks: one thread, one poller."""
+    listener = socket.create_server(("127.0.0.1", port))
+    listener.setblocking(False)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(broker_ep)
+    poller = zmq.Poller()
+    poller.register(dealer, zmq.POLLIN)
+    poller.register(listener.fileno(), zmq.POLLIN)
+    conns: dict[int, Conn] = {}
+    jobs: dict[bytes, Conn] = {}
+    next_job = 0
+    while True:
+        for item, _ in poller.poll():
+            if item is dealer:
+                command, job_id, body = dealer.recv_multipart()
+                conn = jobs[job_id]
+                if command == TOKEN:
+                    conn.sock.sendall(sse({"choices": [
+                        {"index": 0, "text": body.decode("utf-8", "replace"),
+                         "finish_reason": None}]}))
+                else:
+                    del jobs[job_id]
+                    conn.sock.sendall(
+                        sse({"choices": [{"index": 0, "text": "",
+                                          "finish_reason": "length"}],
+                             "usage": {"completion_tokens": int(body)}})
+                        + b"10\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+            elif item == listener.fileno():
+                sock, _ = listener.accept()
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conns[sock.fileno()] = Conn(sock)
+                poller.register(sock.fileno(), zmq.POLLIN)
+            else:
+                conn = conns[item]
+                data = conn.sock.recv(65536)
+                if not data:
+                    poller.unregister(item)
+                    conn.sock.close()
+                    del conns[item]
+                    continue
+                conn.buf += data
+                head, sep, rest = conn.buf.partition(b"\r\n\r\n")
+                if not sep:
+                    continue
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                if len(rest) < length:
+                    continue
+                conn.buf = rest[length:]
+                if head.startswith(b"GET"):
+                    conn.sock.sendall(HEALTH)
+                    continue
+                body = json.loads(rest[:length])
+                next_job += 1
+                job_id = b"%d" % next_job
+                jobs[job_id] = conn
+                conn.sock.sendall(HEADERS)
+                dealer.send_multipart([SUBMIT, job_id, json.dumps(
+                    [body["prompt"], body["max_tokens"]]).encode()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args(argv)
+    run_dir = tempfile.mkdtemp(prefix="floor-pool-")
+    front_ep, worker_ep = (f"ipc://{run_dir}/frontends", f"ipc://{run_dir}/workers")
+    spawn = multiprocessing.get_context("spawn")
+    loaded = spawn.Semaphore(0)
+    procs = [spawn.Process(target=broker_main, args=(front_ep, worker_ep)),
+             *(spawn.Process(target=worker_main, args=(args.model, worker_ep, loaded))
+               for _ in range(args.workers))]
+    signal.signal(signal.SIGTERM, lambda *_: exit(0))
+    try:
+        for p in procs:
+            p.daemon = True
+            p.start()
+        for _ in range(args.workers):
+            loaded.acquire()  # listen (and answer /health) once all can serve
+        frontend = spawn.Process(target=frontend_main, args=(args.port, front_ep),
+                                 daemon=True)
+        frontend.start()
+        procs.append(frontend)
+        procs[0].join()  # until SIGTERM
+    finally:
+        for p in procs:
+            p.terminate()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
