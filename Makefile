@@ -47,7 +47,7 @@ bench-overhead: $(STAMP_TEST)
 
 # Where TTFT goes, hop by hop (a sitecustomize hook in tests/bench/hop_trace
 # records each process's steps; no llamapool code knows about it).
-bench-ttft-hops: $(STAMP_TEST)
+bench-ttft-hops: llama-server
 	$(PY) -m tests.bench.bench_ttft_hops $(BENCH_ARGS)
 
 # llama.cpp's own server, built once from the llama.cpp vendored in the

@@ -53,6 +53,13 @@ def _threads_switches(pid: int) -> tuple[int, int]:
 
 def _role(pid: int) -> str:
     try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+        if comm.startswith("floor-"):
+            return comm
+    except OSError:
+        pass
+    try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
     except OSError:
@@ -80,9 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--threads", default="1", help="--threads for the workers")
+    parser.add_argument("--floor", action="store_true",
+                        help="measure tests/bench/floor_pool.py instead (the "
+                             "pool's processes and hops, none of its code)")
     args = parser.parse_args(argv)
     model = args.model or harness.default_model()
-    server, url = harness.llamapool_up(model, workers=2, threads=args.threads)
+    if args.floor:
+        server, url = harness.floor_pool(model)
+        what = "the floor pool (2 workers × 1 thread)"
+    else:
+        server, url = harness.llamapool_up(model, workers=2, threads=args.threads)
+        what = f"up --workers 2 --threads {args.threads}"
     try:
         harness.run_load(url, concurrency=args.concurrency, requests=4,
                          duration_s=None, max_tokens=8, prompt=PROMPT,
@@ -113,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                      d[0] / wall])
     rows.append(["all", "-", totals[0] / tokens * 1e6, totals[1] / tokens,
                  totals[2] / tokens, totals[0] / wall])
-    print(f"## CPU per generated token ({os.path.basename(model)}, up --workers 2 "
-          f"--threads {args.threads}, concurrency {args.concurrency}, "
+    print(f"## CPU per generated token ({os.path.basename(model)}, {what}, "
+          f"concurrency {args.concurrency}, "
           f"{args.tokens} tokens, {args.duration:.0f} s, {tokens} tokens, "
           f"{report['output_tokens_per_s']:.1f} tokens/s, "
           f"threads alive here: {threading.active_count()})\n")

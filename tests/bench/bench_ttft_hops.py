@@ -11,6 +11,11 @@ an in-process ``Llama`` that tokenises the same text and generates up to its
 first token, which is what any server must do for it. Prints the median of
 each segment, in path order, and what is left of the client's TTFT outside
 the traced path (the client, the TCP hops, gunicorn's accept and read).
+
+For scale, the same requests go to llama.cpp's own ``llama-server`` (one
+slot, one thread, ``-fa off`` as our workers run) in the same rotation: what
+it adds over the in-process loop is what a one-process C++ HTTP server adds
+on this machine.
 """
 
 from __future__ import annotations
@@ -139,15 +144,23 @@ def main(argv: list[str] | None = None) -> int:
         llama = harness.load_llama(model, args.threads)
         server, url = harness.llamapool_up(model, workers=1, threads=args.threads,
                                            env=env)
-        client_ttft, local_ttft = [], []
+        client_ttft, local_ttft, peer_ttft = [], [], []
         try:
-            harness.stream_once(url, PROMPT, 2)  # warm-up: the prefix cache
-            local_first_token(llama)
-            since = time.perf_counter()
-            for _ in range(args.requests):
-                client_ttft.append(
-                    harness.stream_once(url, PROMPT, args.tokens).ttft_s * 1000)
-                local_ttft.append(local_first_token(llama) * 1000)
+            peer, peer_url = harness.llama_server(
+                model, slots=1, n_threads=args.threads, extra=("-fa", "off"))
+            try:
+                for warm_up in (url, peer_url):  # the prefix caches
+                    harness.stream_once(warm_up, PROMPT, 2)
+                local_first_token(llama)
+                since = time.perf_counter()
+                for _ in range(args.requests):
+                    client_ttft.append(
+                        harness.stream_once(url, PROMPT, args.tokens).ttft_s * 1000)
+                    local_ttft.append(local_first_token(llama) * 1000)
+                    peer_ttft.append(harness.stream_once(
+                        peer_url, PROMPT, args.tokens).ttft_s * 1000)
+            finally:
+                peer.stop()
         finally:
             server.stop()  # the processes flush their records as they exit
         rows = segments_of_requests(read_records(prefix, since))
@@ -172,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         ["added by the pool: client TTFT - in-process", client - local],
         ["added by the pool, counted hop by hop: client TTFT - MODEL",
          client - model_ms],
+        [f"llama-server -np 1 -t {args.threads} -fa off: client TTFT",
+         harness.median(peer_ttft)],
+        ["added by llama-server: its client TTFT - in-process",
+         harness.median(peer_ttft) - local],
     ]
     print(harness.md_table(["segment", "ms (p50)"], table))
     return 0

@@ -39,8 +39,16 @@ from workers.model import kv_cache
 SUBMIT, TOKEN, END = b"S", b"T", b"E"
 
 
+def name_process(name: str) -> None:
+    """Show ``name`` as this process's comm (``make bench-cpu-per-token
+    --floor`` tells the processes apart by it)."""
+    with open("/proc/self/comm", "w") as f:
+        f.write(name)
+
+
 def worker_main(model: str, endpoint: str, loaded) -> None:
     """Decode with one thread; send each token's text from the decoding thread."""
+    name_process("floor-worker")
     llama = harness.load_llama(model, 1)
     processors = harness.ban_eog(llama)
     harness.generate_loop(llama, "warm up", 4, processors)
@@ -77,6 +85,7 @@ def llama_piece(vocab, token: int) -> bytes:
 
 def broker_main(frontend_ep: str, worker_ep: str) -> None:
     """Relay: SUBMIT to an idle worker, its frames back to the frontend."""
+    name_process("floor-broker")
     ctx = zmq.Context.instance()
     front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
     front.bind(frontend_ep)
@@ -126,6 +135,7 @@ HEALTH = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 def frontend_main(port: int, broker_ep: str) -> None:
     """HTTP in, SUBMIT out, frames to SSE chunks: one thread, one poller."""
+    name_process("floor-frontend")
     listener = socket.create_server(("127.0.0.1", port))
     listener.setblocking(False)
     dealer = zmq.Context.instance().socket(zmq.DEALER)
