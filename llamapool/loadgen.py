@@ -216,14 +216,34 @@ class Client:
             self._conn.close()
             self._conn = None
 
+    def _response(self) -> http.client.HTTPResponse:
+        """Send the request; its response, once the status line is in.
+
+        A kept-alive connection may have been closed by the server while it
+        sat idle (gunicorn's ``keepalive``, 5 s in ``deploy``): if it fails
+        before any byte of an answer, the server never took the request, and
+        it goes once more on a new connection, as every HTTP client does.
+        """
+        reused = self._conn is not None
+        try:
+            conn = self._connection()
+            conn.request("POST", self._path, self._body, self._headers)
+            return conn.getresponse()
+        except (BrokenPipeError, ConnectionResetError,
+                http.client.RemoteDisconnected):
+            if not reused:
+                raise
+            self.close()
+            conn = self._connection()
+            conn.request("POST", self._path, self._body, self._headers)
+            return conn.getresponse()
+
     def one_request(self) -> RequestResult:
         """Send one streamed request and time it."""
         result = RequestResult()
         started = time.perf_counter()
         try:
-            conn = self._connection()
-            conn.request("POST", self._path, self._body, self._headers)
-            response = conn.getresponse()
+            response = self._response()
             result.status = response.status
             if response.status == 200:
                 _read_stream(_sse_lines(response), result, started)

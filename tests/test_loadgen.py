@@ -10,7 +10,9 @@ from __future__ import annotations
 import csv
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -18,6 +20,7 @@ import urllib.request
 import httpx
 import pytest
 
+from llamapool import loadgen
 from protocol.payloads import ChatMessage, GenerationRequest
 from tests.pool import Pool, Proc, cli, free_port, wait_until
 from workers.model.engine import RequestRejected
@@ -146,6 +149,28 @@ def test_bench_usage_errors_exit_nonzero(args):
     done = subprocess.run(cli("bench", "http://127.0.0.1:9", *args),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, (done.stdout, done.stderr)
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    readable, _, _ = select.select([sock], [], [], 0)
+    return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced(pool):
+    """gunicorn closes a kept-alive connection after 5 idle seconds; the
+    client's next request must not fail on it (BrokenPipeError before)."""
+    client = loadgen.Client(loadgen.BenchConfig(
+        base_url=pool.url, max_tokens=2, prompt="Hi", ignore_eos=True))
+    try:
+        assert client.one_request().ok
+        idle = client._conn.sock
+        wait_until(lambda: closed_by_peer(idle), 60,
+                   "the server to close the idle connection", interval_s=0.1)
+        result = client.one_request()
+        assert result.ok, result.error
+        assert result.output_tokens == 2
+    finally:
+        client.close()
 
 
 def test_bench_exits_zero_when_requests_fail():
