@@ -12,10 +12,13 @@ first token, which is what any server must do for it. Prints the median of
 each segment, in path order, and what is left of the client's TTFT outside
 the traced path (the client, the TCP hops, gunicorn's accept and read).
 
-For scale, the same requests go to llama.cpp's own ``llama-server`` (one
-slot, one thread, ``-fa off`` as our workers run) in the same rotation: what
-it adds over the in-process loop is what a one-process C++ HTTP server adds
-on this machine.
+For scale, the same requests go to llama.cpp's own ``llama-server`` in the
+same rotation, set to do the model work our worker does: one slot, one
+thread, ``-fa off`` and ``--swa-full`` as our workers run (without the full
+SWA cache it prefills the whole prompt again for Gemma 3), ``--cache-ram 0``
+(it would save the last reply's state in the next request's time; our
+worker does that between jobs). What it adds over the in-process loop is
+what a one-process C++ HTTP server adds on this machine.
 """
 
 from __future__ import annotations
@@ -147,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         client_ttft, local_ttft, peer_ttft = [], [], []
         try:
             peer, peer_url = harness.llama_server(
-                model, slots=1, n_threads=args.threads, extra=("-fa", "off"))
+                model, slots=1, n_threads=args.threads,
+                extra=("-fa", "off", "--swa-full", "--cache-ram", "0"))
             try:
                 for warm_up in (url, peer_url):  # the prefix caches
                     harness.stream_once(warm_up, PROMPT, 2)
@@ -185,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         ["added by the pool: client TTFT - in-process", client - local],
         ["added by the pool, counted hop by hop: client TTFT - MODEL",
          client - model_ms],
-        [f"llama-server -np 1 -t {args.threads} -fa off: client TTFT",
+        [f"llama-server -np 1 -t {args.threads} -fa off --swa-full "
+         "--cache-ram 0: client TTFT",
          harness.median(peer_ttft)],
         ["added by llama-server: its client TTFT - in-process",
          harness.median(peer_ttft) - local],
