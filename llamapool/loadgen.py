@@ -20,10 +20,9 @@ a failure even though its HTTP status was 200.
 
 Each client is a thread with one keep-alive ``http.client`` connection. The
 load generator usually shares the machine with the server it measures, and
-on a small one every wake-up it costs per token is taken from the server:
-an ``httpx.AsyncClient`` spent about 0.9 ms of CPU per streamed token here,
-blocking ``http.client`` reads about 0.26 ms, and the server under test
-streamed 8% more tokens/s beside it (BENCHMARKS.md section 14).
+on a small one the CPU it spends per token is taken from that server: on 2
+cores an ``httpx.AsyncClient`` spent about 1.2 ms of CPU per streamed token,
+blocking ``http.client`` reads about 0.3 ms (BENCHMARKS.md section 14).
 """
 
 from __future__ import annotations
@@ -43,6 +42,8 @@ from typing import TextIO
 from urllib.parse import urlsplit
 
 DEFAULT_PROMPT = "Write a short story about a llama who learns to fly."
+#: The longest a client waits to connect (reads wait ``--timeout``).
+CONNECT_TIMEOUT_S = 10.0
 #: How often the progress line on stderr is redrawn.
 PROGRESS_INTERVAL_S = 0.25
 
@@ -202,13 +203,18 @@ class Client:
 
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is None:
+            # Connecting gets at most 10 s; every read after, the timeout.
+            connect_s = min(CONNECT_TIMEOUT_S, self.config.timeout_s)
             if self._https:
-                self._conn = http.client.HTTPSConnection(
-                    self._host, self._port, timeout=self.config.timeout_s,
+                conn = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=connect_s,
                     context=ssl.create_default_context())
             else:
-                self._conn = http.client.HTTPConnection(
-                    self._host, self._port, timeout=self.config.timeout_s)
+                conn = http.client.HTTPConnection(self._host, self._port,
+                                                  timeout=connect_s)
+            conn.connect()
+            conn.sock.settimeout(self.config.timeout_s)
+            self._conn = conn
         return self._conn
 
     def close(self) -> None:
@@ -220,23 +226,22 @@ class Client:
         """Send the request; its response, once the status line is in.
 
         A kept-alive connection may have been closed by the server while it
-        sat idle (gunicorn's ``keepalive``, 5 s in ``deploy``): if it fails
-        before any byte of an answer, the server never took the request, and
-        it goes once more on a new connection, as every HTTP client does.
+        sat idle (gunicorn's ``keepalive``, 5 s in ``deploy``). If a reused
+        connection fails before any byte of an answer, the request goes once
+        more on a new connection, as common HTTP clients do; a new
+        connection that fails so is an error.
         """
-        reused = self._conn is not None
-        try:
-            conn = self._connection()
-            conn.request("POST", self._path, self._body, self._headers)
-            return conn.getresponse()
-        except (BrokenPipeError, ConnectionResetError,
-                http.client.RemoteDisconnected):
-            if not reused:
-                raise
-            self.close()
-            conn = self._connection()
-            conn.request("POST", self._path, self._body, self._headers)
-            return conn.getresponse()
+        while True:
+            reused = self._conn is not None
+            try:
+                conn = self._connection()
+                conn.request("POST", self._path, self._body, self._headers)
+                return conn.getresponse()
+            except (BrokenPipeError, ConnectionResetError,
+                    http.client.RemoteDisconnected):
+                self.close()
+                if not reused:  # a fresh connection failed: a real error
+                    raise
 
     def one_request(self) -> RequestResult:
         """Send one streamed request and time it."""

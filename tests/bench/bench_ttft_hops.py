@@ -18,12 +18,15 @@ thread, ``-fa off`` and ``--swa-full`` as our workers run (without the full
 SWA cache it prefills the whole prompt again for Gemma 3), ``--cache-ram 0``
 (it would save the last reply's state in the next request's time; our
 worker does that between jobs). What it adds over the in-process loop is
-what a one-process C++ HTTP server adds on this machine.
+what a one-process C++ HTTP server adds on this machine. The floor
+(``tests/bench/floor_pool.py``, one worker) is the pool's processes and
+ZeroMQ hops with none of its code: what it adds is what that shape costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import tempfile
@@ -147,13 +150,16 @@ def main(argv: list[str] | None = None) -> int:
         llama = harness.load_llama(model, args.threads)
         server, url = harness.llamapool_up(model, workers=1, threads=args.threads,
                                            env=env)
-        client_ttft, local_ttft, peer_ttft = [], [], []
+        client_ttft, local_ttft, peer_ttft, floor_ttft = [], [], [], []
         try:
-            peer, peer_url = harness.llama_server(
-                model, slots=1, n_threads=args.threads,
-                extra=("-fa", "off", "--swa-full", "--cache-ram", "0"))
-            try:
-                for warm_up in (url, peer_url):  # the prefix caches
+            with contextlib.ExitStack() as others:
+                peer, peer_url = harness.llama_server(
+                    model, slots=1, n_threads=args.threads,
+                    extra=("-fa", "off", "--swa-full", "--cache-ram", "0"))
+                others.callback(peer.stop)
+                floor, floor_url = harness.floor_pool(model, workers=1)
+                others.callback(floor.stop)
+                for warm_up in (url, peer_url, floor_url):  # the prefix caches
                     harness.stream_once(warm_up, PROMPT, 2)
                 local_first_token(llama)
                 since = time.perf_counter()
@@ -163,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                     local_ttft.append(local_first_token(llama) * 1000)
                     peer_ttft.append(harness.stream_once(
                         peer_url, PROMPT, args.tokens).ttft_s * 1000)
-            finally:
-                peer.stop()
+                    floor_ttft.append(harness.stream_once(
+                        floor_url, PROMPT, args.tokens).ttft_s * 1000)
         finally:
             server.stop()  # the processes flush their records as they exit
         rows = segments_of_requests(read_records(prefix, since))
@@ -194,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
          harness.median(peer_ttft)],
         ["added by llama-server: its client TTFT - in-process",
          harness.median(peer_ttft) - local],
+        ["floor (the pool's processes and hops, no work): client TTFT",
+         harness.median(floor_ttft)],
+        ["added by the floor: its client TTFT - in-process",
+         harness.median(floor_ttft) - local],
     ]
     print(harness.md_table(["segment", "ms (p50)"], table))
     return 0

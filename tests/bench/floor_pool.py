@@ -212,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     procs = [spawn.Process(target=broker_main, args=(front_ep, worker_ep)),
              *(spawn.Process(target=worker_main, args=(args.model, worker_ep, loaded))
                for _ in range(args.workers))]
-    signal.signal(signal.SIGTERM, lambda *_: exit(0))
+    def on_sigterm(*_) -> None:
+        raise SystemExit(0)  # the finally below ends the children
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         for p in procs:
             p.daemon = True
