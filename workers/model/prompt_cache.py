@@ -108,10 +108,16 @@ class PromptStateCache:
             return None, 0
         arr = np.asarray(prompt, dtype=np.intc)
         best_key, best_n = None, 0
-        for key, state in self._states.items():
-            n = common_prefix(state.tokens, arr)
+        # Newest first, done at a state that holds the whole prompt: a cache
+        # full of one prompt's sampled replies (a benchmark, "regenerate")
+        # costs one comparison in the job's time to first token, not one per
+        # state.
+        for key in reversed(self._states):
+            n = common_prefix(self._states[key].tokens, arr)
             if n > best_n:
                 best_key, best_n = key, n
+                if n == len(arr):
+                    break
         return best_key, best_n
 
     def holds(self, tokens: Sequence[int]) -> bool:
@@ -119,7 +125,8 @@ class PromptStateCache:
         again would only copy it (the same prompt sent again finds its last
         reply in the KV cache). That state counts as just used."""
         arr = np.asarray(tokens, dtype=np.intc)
-        for key, state in self._states.items():
+        for key in reversed(self._states):  # mostly the state saved last
+            state = self._states[key]
             if (len(state.tokens) >= len(arr)
                     and common_prefix(state.tokens, arr) == len(arr)):
                 self._states.move_to_end(key)
