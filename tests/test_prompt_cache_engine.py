@@ -45,11 +45,14 @@ def cold_text(tiny_model):
 
 
 def _saved_a(engine: LlamaEngine):
-    """Run A then B, so that A's state is saved; return its key and state."""
+    """Run A then B, so that A's state is saved; return the key and state
+    that A + MORE will be restored from (the engine is shared by the tests:
+    an earlier one may have left a state of A's conversation too)."""
     cache = engine.reuse.cache
     run(engine, A)
     run(engine, B)
-    key, shared = cache.longest_prefix(engine.prompts.llama.tokenize(A.encode()))
+    key, shared = cache.longest_prefix(
+        engine.prompts.llama.tokenize((A + MORE).encode()))
     assert key is not None and shared > 100
     return key, cache._states[key]
 
