@@ -21,7 +21,6 @@ ZeroMQ cost on this machine, for any design.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import multiprocessing
 import os
@@ -29,11 +28,11 @@ import signal
 import socket
 import tempfile
 
-import llama_cpp
 import zmq
 
 from tests.bench import harness
 from workers.model import kv_cache
+from workers.model.detokenizer import IncrementalDetokenizer
 
 #: Frames: (command, job id, payload).
 SUBMIT, TOKEN, END = b"S", b"T", b"E"
@@ -56,7 +55,7 @@ def worker_main(model: str, endpoint: str, loaded) -> None:
     sock.connect(endpoint)
     sock.send_multipart([b"READY", b"", b""])
     loaded.release()
-    vocab = llama._model.vocab
+    pieces = IncrementalDetokenizer(llama._model.vocab)  # its piece() only
     while True:
         _, job_id, body = sock.recv_multipart()
         prompt, n_tokens = json.loads(body)
@@ -68,19 +67,12 @@ def worker_main(model: str, endpoint: str, loaded) -> None:
         try:
             for token in gen:
                 n += 1
-                piece = llama_piece(vocab, token)
-                sock.send_multipart([TOKEN, job_id, piece])
+                sock.send_multipart([TOKEN, job_id, pieces.piece(token)])
                 if n >= n_tokens:
                     break
         finally:
             gen.close()
         sock.send_multipart([END, job_id, str(n).encode()])
-
-
-def llama_piece(vocab, token: int) -> bytes:
-    buf = ctypes.create_string_buffer(64)
-    n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
-    return buf.raw[:max(n, 0)]
 
 
 def broker_main(frontend_ep: str, worker_ep: str) -> None:

@@ -388,9 +388,7 @@ class ModelWorker(LinkHandler):
         self.busy = False
         # Before the terminal frame: the broker frees the slot on that frame
         # and may route the next job at once, by what this report says.
-        report = self._cache_report()
-        if report is not None:
-            self._link.send(report)
+        self._send_cache_report()
         self._link.send(msg)
 
     def _use_idle_time(self) -> None:
@@ -408,23 +406,22 @@ class ModelWorker(LinkHandler):
             log.exception("the engine's work between jobs failed")
             return
         if changed:
-            report = self._cache_report()
-            if report is not None:
-                self._link.send(report)
+            self._send_cache_report()
 
-    def _cache_report(self) -> messages.CacheReport | None:
-        """What the engine holds now (None: an engine without a prompt
-        cache). Also kept for a READY to a new broker, and for metrics."""
+    def _send_cache_report(self) -> None:
+        """Tell the broker what the engine holds now (nothing for an engine
+        without a prompt cache). Also kept for a READY to a new broker, and
+        for metrics."""
         report_of = getattr(self.engine, "prompt_cache_report", None)
         if report_of is None:
-            return None
+            return
         try:
             states, status = report_of()
         except Exception:  # never lose the job's terminal frame over it
             log.exception("building the prompt-cache report failed")
-            return None
+            return
         self.cache_report = messages.CacheReport(states, status)
-        return self.cache_report
+        self._link.send(self.cache_report)
 
     # --- the link thread (LinkHandler) -------------------------------------------
 
@@ -478,7 +475,7 @@ class ModelWorker(LinkHandler):
         job = self._job
         if isinstance(msg, messages.ThreadsSet):
             return True  # about the worker, not the job
-        if isinstance(msg, messages.CacheReport) and job is None:
+        if job is None and isinstance(msg, messages.CacheReport):
             # Made between jobs (``_use_idle_time``): for the broker that
             # knows us; a new one hears the latest report after READY.
             return self._registration.confirmed
