@@ -22,7 +22,7 @@ from typing import Any
 from frontend.settings import FrontendSettings
 from llamapool import curve_cli, sd_notify
 from llamapool.exit_codes import ExitCode
-from llamapool.signals import StopFlag
+from llamapool.signals import StopFlag, dump_stacks_on_sigusr1
 from protocol.curve import CurveKeyError, client_keys
 from protocol.settings import ConfigError, load, to_env
 from workers.broker.settings import ROUTING_POLICIES, BrokerSettings, reject_removed
@@ -448,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         from llamapool.supervisor import run_up
 
         return run_up(args)
+    if args.command in ("broker", "worker"):
+        dump_stacks_on_sigusr1()
     handlers = {
         "broker": run_broker,
         "worker": run_worker,

@@ -6,6 +6,7 @@ once, for an operator who does not want to wait for the grace period.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import threading
@@ -43,3 +44,10 @@ class StopFlag:
 
     def wait(self, timeout_s: float | None) -> bool:
         return self._event.wait(timeout_s)
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 PID`` writes every thread's Python stack to stderr (the
+    log), and the process goes on: for a broker or worker that seems stuck.
+    (Not for the frontend: gunicorn's arbiter uses SIGUSR1 to reopen logs.)"""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -8,6 +8,7 @@ deadline, never by sleeping a fixed time.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -57,6 +58,7 @@ class Proc:
 
     def __init__(self, name: str, argv: list[str], log_dir: Path, env=None) -> None:
         self.name = name
+        self.argv = argv
         self.log_path = log_dir / f"{name}.log"
         self.log_file = open(self.log_path, "ab")
         self.popen = subprocess.Popen(
@@ -78,6 +80,7 @@ class Proc:
         try:
             code = self.popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            self._dump_stacks()
             os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait()
             raise AssertionError(
@@ -85,6 +88,17 @@ class Proc:
         finally:
             self.log_file.close()
         return code
+
+    def _dump_stacks(self) -> None:
+        """Have a hung broker or worker write its threads' stacks into its
+        log (``llamapool.signals.dump_stacks_on_sigusr1``), for the failure
+        message."""
+        if not any(role in self.argv for role in ("broker", "worker")):
+            return
+        self.popen.send_signal(signal.SIGUSR1)
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: "most recent call first" in self.log(), 5,
+                       "the stacks in the log")
 
     def kill(self) -> None:
         """SIGKILL the whole process group (gunicorn's children included)."""

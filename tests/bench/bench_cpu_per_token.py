@@ -90,14 +90,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--floor", action="store_true",
                         help="measure tests/bench/floor_pool.py instead (the "
                              "pool's processes and hops, none of its code)")
+    parser.add_argument("--checkout", default=None, metavar="DIR",
+                        help="measure the llamapool of another checkout (a "
+                             "before/after: run this with and without it, "
+                             "alternately)")
     args = parser.parse_args(argv)
     model = args.model or harness.default_model()
     if args.floor:
         server, url = harness.floor_pool(model)
         what = "the floor pool (2 workers × 1 thread)"
     else:
-        server, url = harness.llamapool_up(model, workers=2, threads=args.threads)
+        server, url = harness.llamapool_up(model, workers=2, threads=args.threads,
+                                           checkout=args.checkout)
         what = f"up --workers 2 --threads {args.threads}"
+        if args.checkout:
+            what += f" at {harness.checkout_commit(args.checkout)}"
     try:
         harness.run_load(url, concurrency=args.concurrency, requests=4,
                          duration_s=None, max_tokens=8, prompt=PROMPT,

@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="generations per ceiling process per round")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 rounds of 3 s, 16 tokens")
+    parser.add_argument("--before", default=None, metavar="DIR",
+                        help="also run `llamapool up` (2 × 1 thread) from the "
+                             "llamapool of another checkout, in every round")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.duration, args.tokens, args.ceiling_reps = 2, 3.0, 16, 1
@@ -62,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
             model, slots=2, n_threads=2, extra=("-fa", "off")),
         FLOOR: lambda: harness.floor_pool(model),
     }
+    if args.before:
+        commit = harness.checkout_commit(args.before)
+        starts[f"llamapool up at {commit} (2 workers × 1 thread)"] = (
+            lambda: harness.llamapool_up(model, workers=2, threads=1,
+                                         checkout=args.before))
     rates: dict[str, list[float]] = {name: [] for name in [*starts, CEILING]}
     with contextlib.ExitStack() as stack:
         urls = {}

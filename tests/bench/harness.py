@@ -115,12 +115,13 @@ class Server:
     """One server process (its own session), its log in a temp file."""
 
     def __init__(self, name: str, argv: list[str], ready_url: str | None = None,
-                 env: dict | None = None, ready_timeout_s: float = 180) -> None:
+                 env: dict | None = None, ready_timeout_s: float = 180,
+                 cwd: str | None = None) -> None:
         self.name = name
         self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log",
                                                delete=False)
         self.popen = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                      env=env, start_new_session=True)
+                                      env=env, cwd=cwd, start_new_session=True)
 
         if ready_url is None:
             return  # the caller knows when it is ready
@@ -166,20 +167,32 @@ class Server:
 
 
 def llamapool_up(model: str, workers: int, threads: int | str, *, ctx: int = 2048,
-                 extra: tuple[str, ...] = (), env: dict | None = None
-                 ) -> tuple[Server, str]:
+                 extra: tuple[str, ...] = (), env: dict | None = None,
+                 checkout: str | None = None) -> tuple[Server, str]:
     """``llamapool up`` on a free port; returns the server and its base URL.
-    ``env``: the whole environment of the pool's processes (default: ours)."""
+    ``env``: the whole environment of the pool's processes (default: ours).
+    ``checkout``: run the llamapool code of that directory (another commit
+    checked out beside this one, for a before/after side by side) instead
+    of this one; it is every process's working directory and first on its
+    ``PYTHONPATH``, ahead of the installed package."""
+    if checkout is not None:
+        env = {**(env or os.environ), "PYTHONPATH": os.path.abspath(checkout)}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "llamapool", "--log-level", "warning", "up",
             "--model", model, "--workers", str(workers), "--threads", str(threads),
             "--ctx", str(ctx), "--port", str(port), *extra]
-    server = Server("llamapool-up", argv, url + "/health", env=env)
+    server = Server("llamapool-up", argv, url + "/health", env=env, cwd=checkout)
     # /health is ok with one worker; wait for all of them.
     wait_until(lambda: _idle_slots(url) == workers, 180, f"{workers} idle slots",
                interval_s=0.2)
     return server, url
+
+
+def checkout_commit(checkout: str) -> str:
+    """The short commit a checkout is at, for a benchmark's title."""
+    return subprocess.run(["git", "-C", checkout, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
 
 
 def _idle_slots(url: str) -> int:
