@@ -1,11 +1,10 @@
 """One gunicorn process's connection to the broker.
 
-The connection itself (the DEALER, its lock and its thread, heartbeats,
+The connection itself (the DEALER and the thread that owns it, heartbeats,
 silence, reconnect, decoding) is ``protocol.link.BrokerConnection``, shared
 with the model worker. This module is what a frontend makes of it: request
-threads send through it (each SUBMIT, CREDIT and CANCEL from the request's
-own thread), and get their job's frames back through a per-job queue that
-the link thread fills. When the broker goes silent or says it
+threads send through it without sharing the socket, and get their job's
+frames back through a per-job queue. When the broker goes silent or says it
 forgot us, every open job receives an ERROR frame, so no request thread
 waits forever.
 

@@ -1,4 +1,4 @@
-"""A peer's connection to the broker: one DEALER, its lock and its thread.
+"""A peer's connection to the broker: one DEALER, owned by one thread.
 
 Frontends and model workers reach the broker the same way, and differ only in
 what they say. So, as zguide keeps ``mdcliapi``/``mdwrkapi`` apart from the
@@ -6,27 +6,14 @@ applications that use them, ``BrokerConnection`` owns the *how* (socket,
 heartbeats, silence, reconnect, decode) and a ``LinkHandler`` supplies the
 *what*, through callbacks in the style of ``asyncio.Protocol``.
 
-Threads. ZeroMQ sockets are not thread-safe: a socket may be used by one
-thread at a time, with a full memory barrier between users (the libzmq
-manual), which a lock gives. So the DEALER has one lock, and every use of it
-holds that lock: the link thread's receives, heartbeats and reconnects, and
-``send`` from any other thread, which writes straight to the socket. A token
-then leaves from the thread that made it, with no hand-off to the link
-thread: on two cores, each hand-off per token was a thread woken that steals
-time from a model worker (BENCHMARKS.md sections 13 and 15). A sender never
-waits for the link thread: if the lock is taken (the link thread is
-receiving, or the sender holds a lock a callback needs), or the socket is not
-there yet, the message goes to a FIFO that the link thread empties, and
-later sends follow it through the FIFO, so each thread's messages stay in
-order (a job's TOKEN frames before its FINAL). Handler callbacks run in the
-link thread, under the lock; a ``send`` from there goes straight out.
-
-The link thread sleeps in ``poll`` on the DEALER's ``ZMQ_FD`` (and an
-eventfd for the FIFO), never on the socket itself, so that sleeping does not
-use the socket. That descriptor is edge-triggered: any use of the socket may
-consume its signal. So every user looks at ``ZMQ_EVENTS`` last: the link
-thread before it sleeps, a sender after it writes (and wakes the link
-thread through the eventfd when a message is waiting).
+Threads. ZeroMQ sockets are not thread-safe, and sharing one behind a lock is
+the pattern zguide warns against, so the link's thread is the only user of
+its DEALER. Other threads hand messages over with ``send``: a FIFO plus an
+eventfd that the thread's poller watches next to the DEALER. The eventfd is
+written only when the link thread may be asleep, so a burst of frames costs
+one wake-up, not one system call each. One FIFO keeps each sending thread's
+messages in order (a job's TOKEN frames before its FINAL). Handler callbacks
+run in the link thread; a ``send`` from there goes straight to the socket.
 
 Liveness (zguide PPP, MDP). The link heartbeats every interval with whatever
 the handler's ``heartbeat`` says (a worker's carries LOADING or job
@@ -43,7 +30,6 @@ from the network raises through the loop.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import os
 import threading
@@ -63,15 +49,16 @@ log = logging.getLogger("llamapool.link")
 #: window, up to this many times the normal window.
 MAX_BACKOFF = 8
 
-#: libzmq's millisecond options are C ints.
+#: libzmq's millisecond options are C ints: a longer silence window (a link
+#: that is never to be taken for gone) is clamped, not an error that ends
+#: the link thread before it connects.
 INT_MAX = 2**31 - 1
 
 class LinkHandler:
     """What an application hears from its ``BrokerConnection``, and says to it.
 
-    Every method is called with the link's lock held, which must not be
-    blocked on in them: heartbeats, the broker's frames and every sender wait
-    meanwhile. All but ``forward`` run in the link's thread. The defaults do
+    Every method is called in the link's thread, which must not block in
+    them: heartbeats and the broker's frames wait meanwhile. The defaults do
     nothing; subclasses override what they need.
     """
 
@@ -103,10 +90,7 @@ class LinkHandler:
 
     def forward(self, msg: messages.Message) -> bool:
         """Last look at a message another thread passed to ``send``, just
-        before it goes out; False drops it. Called in that thread when the
-        message goes straight out, in the link's thread when it went through
-        the FIFO; under the link's lock either way, so it never runs beside
-        another callback."""
+        before it goes out; False drops it."""
         return True
 
 
@@ -215,12 +199,7 @@ class BrokerConnection:
         self.unsent_dropped = 0
         #: Exceptions raised by the handler's callbacks (logged, survived).
         self.callback_errors = 0
-        #: Held for every use of ``_sock`` and every handler callback.
-        self._lock = threading.Lock()
-        #: Set while the link thread waits for ``_lock``: senders queue.
-        self._link_waits = False
-        #: Messages from other threads that could not go straight out,
-        #: encoded by their sender.
+        #: Messages from other threads, encoded by their sender.
         self._outbox: collections.deque[tuple[messages.Message, list[bytes]]] = (
             collections.deque())
         self._wakeup = _Wakeup()
@@ -229,9 +208,6 @@ class BrokerConnection:
         self._thread_id: int | None = None
         self._sock: zmq.Socket | None = None
         self._connected_at = 0.0
-        #: How long a new connection may stay silent (0: one window); doubles
-        #: after each one that heard nothing (``_silent_too_long``).
-        self._unheard_window_s = 0.0
 
     # --- any thread ------------------------------------------------------------
 
@@ -243,46 +219,19 @@ class BrokerConnection:
     def send(self, msg: messages.Message) -> None:
         """Send ``msg`` to the broker, in order with this thread's other sends.
 
-        Never waits for the link thread: straight out when the socket is
-        free (the handler's ``forward`` sees it first, in this thread),
-        through the link thread's FIFO when it is not. After ``stop`` it is
-        dropped.
+        From another thread it is queued for the link thread (and the
+        handler's ``forward`` sees it there); from the link thread, in a
+        callback, it goes out at once. After ``stop`` it is dropped.
         """
         # Encoded here: a message that cannot be encoded raises in the code
         # that made it, not in the link thread, and the encoding work is
         # spread over the senders.
         frames = msg.to_wire()
         if threading.get_ident() == self._thread_id:
-            self._write(frames)  # a callback: the lock is held already
-            return
-        if self._stopping:
-            return
-        if self._link_waits or not self._lock.acquire(blocking=False):
-            # The link thread is using the socket, or holds the lock while a
-            # callback waits for something this thread holds (a job's credit
-            # lock): never wait for it. And when it waits for the lock, let
-            # it have it: a lock is not fair, and a thread that sends in a
-            # loop would take it back every time.
-            self._queue(msg, frames)
-            return
-        try:
-            if self._sock is None or self._outbox or self._stopping:
-                # Not connected yet, or earlier messages are queued: behind
-                # them, so no thread's messages overtake each other.
-                if not self._stopping:
-                    self._queue(msg, frames)
-            elif self._guarded(self.handler.forward, msg, failed=True):
-                self._write(frames)
-                if waiting(self._sock):
-                    # The write may have taken the ZMQ_FD signal the link
-                    # thread sleeps on: wake it for what arrived.
-                    self._wakeup.notify()
-        finally:
-            self._lock.release()
-
-    def _queue(self, msg: messages.Message, frames: list[bytes]) -> None:
-        self._outbox.append((msg, frames))
-        self._wakeup.notify()
+            self._write(frames)
+        elif not self._stopping:
+            self._outbox.append((msg, frames))
+            self._wakeup.notify()
 
     def stop(self) -> None:
         """Ask the link thread to end: it forwards what is queued, closes the
@@ -336,99 +285,70 @@ class BrokerConnection:
         return sock
 
     def _run(self) -> None:
+        self._thread_id = threading.get_ident()
+        interval_s = self.heartbeat_interval_s
+        base_window_s = self.silence_window_s
+        #: How long a new connection may stay silent; doubles after each one
+        #: that heard nothing (below).
+        unheard_window_s = base_window_s
         poller = zmq.Poller()
         wakeup_fd = self._wakeup.fileno()
         poller.register(wakeup_fd, zmq.POLLIN)
         next_beat = 0.0  # the first heartbeat goes out at once
         try:
-            with self._locked():
-                self._thread_id = threading.get_ident()
-                sock = self._connect()
-            sock_fd = sock.getsockopt(zmq.FD)
-            poller.register(sock_fd, zmq.POLLIN)
+            sock = self._connect()
+            poller.register(sock, zmq.POLLIN)
             while True:
-                with self._locked():
-                    self._guarded(self.handler.on_tick, time.monotonic())
-                    if self._stopping:
-                        self._forward_outbox()
-                        break
-                    # The last use of the socket before sleeping (see the
-                    # module's docstring): a message already here is taken
-                    # at once, not at the next signal.
-                    wait_s = 0.0 if waiting(sock) else max(
-                        0.0, min(self.heartbeat_interval_s,
-                                 next_beat - time.monotonic()))
+                self._guarded(self.handler.on_tick, time.monotonic())
+                if self._stopping:
+                    self._forward_outbox()
+                    break
+                wait_s = max(0.0, min(interval_s, next_beat - time.monotonic()))
                 ready = dict(poller.poll(wait_s * 1000))
-                with self._locked():
-                    if wakeup_fd in ready or self._outbox:
-                        self._forward_outbox()
+                if wakeup_fd in ready:
+                    self._forward_outbox()
+                if sock in ready:
                     self._receive()
-                    now = time.monotonic()
-                    if self._silent_too_long(now):
-                        poller.unregister(sock_fd)
-                        sock = self._reconnect(now)
-                        sock_fd = sock.getsockopt(zmq.FD)
-                        poller.register(sock_fd, zmq.POLLIN)
-                    if now >= next_beat:
-                        next_beat = now + self.heartbeat_interval_s
-                        self._heartbeat(now)
+                now = time.monotonic()
+                heard_here = self.last_heard >= self._connected_at
+                if heard_here:
+                    unheard_window_s = base_window_s
+                window_s = base_window_s if heard_here else unheard_window_s
+                silent_s = now - max(self.last_heard, self._connected_at)
+                if silent_s > window_s:
+                    if not heard_here:
+                        # Paranoid Pirate's back-off (zguide ch. 4): a broker
+                        # too loaded to answer a new connection (handshake,
+                        # registration, reply) within one window would
+                        # otherwise be redialled forever, each new identity
+                        # registering again and never settling. Waiting
+                        # longer costs nothing while the broker is down:
+                        # the DEALER itself reconnects as soon as it is up.
+                        unheard_window_s = min(unheard_window_s * 2,
+                                               base_window_s * MAX_BACKOFF)
+                    self.losses += 1
+                    log.warning("broker %s silent for %.1fs; reconnecting",
+                                self.endpoint, silent_s)
+                    self._guarded(self.handler.on_lost, silent_s)
+                    poller.unregister(sock)
+                    sock.close(linger=0)
+                    sock = self._connect()
+                    poller.register(sock, zmq.POLLIN)
+                if now >= next_beat:
+                    next_beat = now + interval_s
+                    try:
+                        beat = self.handler.heartbeat(now)
+                    except Exception:
+                        # The link (and with it the process's liveness) must
+                        # outlive a bug in what the application reports.
+                        log.exception("building a heartbeat failed; sent a bare one")
+                        beat = messages.Heartbeat()
+                    self._write(beat.to_wire())
         finally:
-            with self._locked():
-                self._stopping = True  # also if a callback raised: senders drop
-                self._thread_id = None
-                if self._sock is not None:
-                    self._sock.close(linger=self.linger_ms)
-                    self._sock = None
-
-    @contextlib.contextmanager
-    def _locked(self):
-        """The link thread takes the lock ahead of any sender still to come."""
-        self._link_waits = True
-        self._lock.acquire()
-        self._link_waits = False
-        try:
-            yield
-        finally:
-            self._lock.release()
-
-    def _silent_too_long(self, now: float) -> bool:
-        base_window_s = self.silence_window_s
-        heard_here = self.last_heard >= self._connected_at
-        if heard_here:
-            self._unheard_window_s = base_window_s
-            window_s = base_window_s
-        else:
-            window_s = self._unheard_window_s or base_window_s
-        if now - max(self.last_heard, self._connected_at) <= window_s:
-            return False
-        if not heard_here:
-            # Paranoid Pirate's back-off (zguide ch. 4): a broker too loaded
-            # to answer a new connection (handshake, registration, reply)
-            # within one window would otherwise be redialled forever, each
-            # new identity registering again and never settling. Waiting
-            # longer costs nothing while the broker is down: the DEALER
-            # itself reconnects as soon as it is up.
-            self._unheard_window_s = min(window_s * 2, base_window_s * MAX_BACKOFF)
-        return True
-
-    def _reconnect(self, now: float) -> zmq.Socket:
-        silent_s = now - max(self.last_heard, self._connected_at)
-        self.losses += 1
-        log.warning("broker %s silent for %.1fs; reconnecting",
-                    self.endpoint, silent_s)
-        self._guarded(self.handler.on_lost, silent_s)
-        self._sock.close(linger=0)
-        return self._connect()
-
-    def _heartbeat(self, now: float) -> None:
-        try:
-            beat = self.handler.heartbeat(now)
-        except Exception:
-            # The link (and with it the process's liveness) must outlive a
-            # bug in what the application reports.
-            log.exception("building a heartbeat failed; sent a bare one")
-            beat = messages.Heartbeat()
-        self._write(beat.to_wire())
+            self._stopping = True  # also if a callback raised: senders drop
+            self._thread_id = None
+            if self._sock is not None:
+                self._sock.close(linger=self.linger_ms)
 
     def _guarded(self, callback, *args, failed=None):
         """``callback(*args)``; if it raises, log (rate-limited), count and
@@ -449,8 +369,7 @@ class BrokerConnection:
         # Clear before counting: a message appended after the clear has
         # written a fresh wake-up, so what this round leaves is taken next
         # round. Taking only the count keeps a busy sender from starving
-        # receives and heartbeats. (Senders append while the lock is held
-        # here only when they could not take it.)
+        # receives and heartbeats.
         self._wakeup.clear()
         for _ in range(len(self._outbox)):
             msg, frames = self._outbox.popleft()
@@ -470,10 +389,13 @@ class BrokerConnection:
             self.unsent_dropped += 1
 
     def _receive(self) -> None:
-        # Ask before each receive rather than build the exception of an
-        # empty one: a round may have been woken by the FIFO or by a signal
-        # that carried no message.
-        while waiting(self._sock):
+        n = 0
+        while True:
+            # Mostly one message per poll round: ask before a second receive
+            # rather than build the exception of an empty one.
+            if n == 1 and not waiting(self._sock):
+                return
+            n += 1
             try:
                 frames = recv_frames(self._sock)
             except zmq.Again:

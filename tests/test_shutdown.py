@@ -102,3 +102,20 @@ def test_broker_and_frontend_exit_cleanly(make_pool):
         assert "Traceback" not in proc.log(), proc.log()
     # The worker notices the broker is gone and keeps trying; SIGTERM ends it.
     assert pool.workers[0].stop() == 0
+
+
+def test_sigusr1_writes_the_threads_stacks_and_the_process_goes_on(make_pool):
+    # For a broker or worker that seems stuck (tests/pool.py asks one that
+    # hangs on SIGTERM, before killing it).
+    pool = make_pool(workers=1)
+    for proc in (pool.broker, pool.workers[0]):
+        proc.popen.send_signal(signal.SIGUSR1)
+        wait_until(lambda proc=proc: "most recent call first" in proc.log(), 30,
+                   f"{proc.name}'s stacks in its log")
+        assert proc.alive()
+    # Still serving, and still stopping cleanly.
+    r = httpx.post(pool.url + "/v1/completions",
+                   json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+    assert pool.workers[0].stop() == 0
+    assert pool.broker.stop() == 0

@@ -287,8 +287,7 @@ class ModelWorker(LinkHandler):
             linger_ms=500,  # let the goodbye DISCONNECT leave
             name="worker-io",
         )
-        # Used only under the link's lock from here on (its callbacks, and
-        # ``forward``, which may run in the main thread as it sends).
+        # Owned by the link thread from here on.
         #: The job the broker believes we run: set by SUBMIT, cleared when its
         #: terminal frame goes out, so that READY never overtakes that frame.
         self._job: ActiveJob | None = None
