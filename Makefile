@@ -40,7 +40,7 @@ faults: $(STAMP_TEST)
 	bench-retry-after bench-output-controls bench-limits bench-web-page \
 	bench-thread-stepdown llama-server bench-cpu-per-token \
 	bench-llama-details bench-embeddings bench-conversations bench-prompt-state \
-	bench-ttft-hops bench-rounds
+	bench-ttft-hops bench-rounds bench-ab
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -62,6 +62,11 @@ bench-throughput: llama-server
 # side by side, so a few percent can be read through the machine's drift.
 bench-rounds: llama-server
 	$(PY) -m tests.bench.bench_rounds $(BENCH_ARGS)
+
+# This checkout against another, in interleaved rounds at concurrency 2:
+# make bench-ab BENCH_ARGS="--before /path/to/other/checkout"
+bench-ab: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_ab $(BENCH_ARGS)
 
 bench-cpu-per-token: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_cpu_per_token $(BENCH_ARGS)

@@ -1,0 +1,90 @@
+"""This checkout against another one, at concurrency 2, in interleaved rounds:
+does a change make the pool faster?
+
+    git worktree add /tmp/before <commit>    # or a clone checked out there
+    make bench-ab BENCH_ARGS="--before /tmp/before"
+    # or: python -m tests.bench.bench_ab --before /tmp/before
+
+Both pools (``llamapool up --workers 2 --threads 1``, the default model) are
+up at once; an idle pool costs no CPU. Each round runs both for
+``--duration`` seconds, in an order that alternates from round to round, and
+the printed figure is each round's ratio of this checkout's tokens/s to the
+other's, with their median and mean. On this shared 2-core machine one
+15-second run moves by ±10%, so a change of a few percent shows only as the
+ratios of many rounds leaning one way (BENCHMARKS.md section 15: 54 rounds
+read a 2.4% loss that single runs never showed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+
+from tests.bench import harness
+from tests.bench.bench_throughput import PROMPT
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, metavar="DIR",
+                        help="the other checkout (its llamapool code is run)")
+    parser.add_argument("--model", default=None, help="GGUF (default: Gemma 3 270M)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--duration", type=float, default=12.0,
+                        help="seconds per pool per round")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 rounds of 3 s, 16 tokens")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.duration, args.tokens = 2, 3.0, 16
+    model = args.model or harness.default_model()
+    this = f"this checkout ({harness.checkout_commit('.')})"
+    other = f"--before ({harness.checkout_commit(args.before)})"
+    starts = {
+        # Both through ``checkout``, so that both import their code the same
+        # way (working directory and PYTHONPATH).
+        this: lambda: harness.llamapool_up(model, workers=2, threads=1,
+                                           checkout=os.getcwd()),
+        other: lambda: harness.llamapool_up(model, workers=2, threads=1,
+                                            checkout=args.before),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in starts}
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name, start in starts.items():
+            server, urls[name] = start()
+            stack.callback(server.stop)
+        for r in range(args.rounds):
+            order = [this, other] if r % 2 == 0 else [other, this]
+            for name in order:
+                report = harness.run_load(
+                    urls[name], concurrency=args.concurrency, requests=None,
+                    duration_s=args.duration, max_tokens=args.tokens,
+                    prompt=PROMPT, ignore_eos=True, wait_after_503_s=0.05)
+                rates[name].append(report["output_tokens_per_s"])
+            print(f"round {r + 1}, tokens/s: {this} {rates[this][-1]:.1f}, "
+                  f"{other} {rates[other][-1]:.1f}", flush=True)
+    ratios = [a / b for a, b in zip(rates[this], rates[other])]
+    print(f"\n## {this} against {other}: concurrency {args.concurrency}, "
+          f"{args.rounds} interleaved rounds ({os.path.basename(model)}, "
+          f"{args.tokens} tokens, ignore_eos, {args.duration:.0f} s per pool per "
+          f"round)\n")
+    print(harness.md_table(
+        ["", "median", "mean", "per round"],
+        [[f"{this} tokens/s", statistics.median(rates[this]),
+          statistics.mean(rates[this]), " ".join(f"{v:.1f}" for v in rates[this])],
+         [f"{other} tokens/s", statistics.median(rates[other]),
+          statistics.mean(rates[other]), " ".join(f"{v:.1f}" for v in rates[other])],
+         ["ratio, this / before", statistics.median(ratios), statistics.mean(ratios),
+          " ".join(f"{v:.3f}" for v in ratios)]]))
+    below = sum(1 for v in ratios if v < 1)
+    print(f"\n{below} of {len(ratios)} rounds below 1.")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
