@@ -54,6 +54,7 @@ MAX_BACKOFF = 8
 #: the link thread before it connects.
 INT_MAX = 2**31 - 1
 
+
 class LinkHandler:
     """What an application hears from its ``BrokerConnection``, and says to it.
 

@@ -176,7 +176,9 @@ def llamapool_up(model: str, workers: int, threads: int | str, *, ctx: int = 204
     of this one; it is every process's working directory and first on its
     ``PYTHONPATH``, ahead of the installed package."""
     if checkout is not None:
-        env = {**(env or os.environ), "PYTHONPATH": os.path.abspath(checkout)}
+        env = dict(env or os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (os.path.abspath(checkout), env.get("PYTHONPATH")) if p)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "llamapool", "--log-level", "warning", "up",

@@ -112,8 +112,8 @@ class PromptStateCache:
         # full of one prompt's sampled replies (a benchmark, "regenerate")
         # costs one comparison in the job's time to first token, not one per
         # state.
-        for key in reversed(self._states):
-            n = common_prefix(self._states[key].tokens, arr)
+        for key, state in reversed(self._states.items()):
+            n = common_prefix(state.tokens, arr)
             if n > best_n:
                 best_key, best_n = key, n
                 if n == len(arr):
@@ -125,8 +125,7 @@ class PromptStateCache:
         again would only copy it (the same prompt sent again finds its last
         reply in the KV cache). That state counts as just used."""
         arr = np.asarray(tokens, dtype=np.intc)
-        for key in reversed(self._states):  # mostly the state saved last
-            state = self._states[key]
+        for key, state in reversed(self._states.items()):  # mostly the last saved
             if (len(state.tokens) >= len(arr)
                     and common_prefix(state.tokens, arr) == len(arr)):
                 self._states.move_to_end(key)
