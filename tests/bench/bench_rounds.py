@@ -19,6 +19,9 @@ shape costs on this machine, whatever the code; what ``llamapool up`` loses
 against the floor is ours. llama-server runs twice: as it starts by default
 (flash attention ``auto``, so on for this CPU) and with ``-fa off``, as our
 workers run by default (README, "Flash attention").
+
+``--flash-attn`` adds the pool and the ceiling with flash attention on, so
+that llama-server's default can also be compared at equal settings.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from tests.bench import harness
 from tests.bench.bench_throughput import PROMPT
 
 CEILING = "ceiling: 2 × Llama.generate (1 thread each)"
+CEILING_FA = "ceiling, flash attention on: 2 × Llama.generate (1 thread each)"
 LLAMA_SERVER = "llama-server -np 2 -t 2"
 FLOOR = "floor: the pool's processes and hops, no work (2 × 1 thread)"
 
@@ -51,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", default=None, metavar="DIR",
                         help="also run `llamapool up` (2 × 1 thread) from the "
                              "llamapool of another checkout, in every round")
+    parser.add_argument("--flash-attn", action="store_true",
+                        help="also run the pool (2 × 1 thread) and the ceiling "
+                             "with flash attention on, as llama-server's default")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.duration, args.tokens, args.ceiling_reps = 2, 3.0, 16, 1
@@ -70,7 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         starts[f"llamapool up at {commit} (2 workers × 1 thread)"] = (
             lambda: harness.llamapool_up(model, workers=2, threads=1,
                                          checkout=args.before))
-    rates: dict[str, list[float]] = {name: [] for name in [*starts, CEILING]}
+    if args.flash_attn:
+        starts["llamapool up (2 workers × 1 thread, --flash-attn on)"] = (
+            lambda: harness.llamapool_up(model, workers=2, threads=1,
+                                         extra=("--flash-attn", "on")))
+    ceilings = {CEILING: False, **({CEILING_FA: True} if args.flash_attn else {})}
+    rates: dict[str, list[float]] = {name: [] for name in [*starts, *ceilings]}
     with contextlib.ExitStack() as stack:
         urls = {}
         for name, start in starts.items():
@@ -84,10 +96,12 @@ def main(argv: list[str] | None = None) -> int:
                     duration_s=args.duration, max_tokens=args.tokens,
                     prompt=PROMPT, ignore_eos=True, wait_after_503_s=0.05)
                 rates[name].append(report["output_tokens_per_s"])
-            ceiling = harness.parallel_generate(
-                model, processes=2, n_threads=1, prompt=PROMPT,
-                n_tokens=args.tokens, reps=args.ceiling_reps)
-            rates[CEILING].append(ceiling["output_tokens_per_s"])
+            for name, flash_attn in ceilings.items():
+                ceiling = harness.parallel_generate(
+                    model, processes=2, n_threads=1, prompt=PROMPT,
+                    n_tokens=args.tokens, reps=args.ceiling_reps,
+                    flash_attn=flash_attn)
+                rates[name].append(ceiling["output_tokens_per_s"])
             print(f"round {r + 1}, tokens/s: " + "; ".join(
                 f"{name}: {values[-1]:.1f}" for name, values in rates.items()),
                 flush=True)
@@ -98,12 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n## Concurrency {args.concurrency}, {args.rounds} interleaved rounds "
           f"({os.path.basename(model)}, {args.tokens} tokens, ignore_eos, "
           f"{args.duration:.0f} s per target per round, {os.cpu_count()} cores)\n")
+    extra_ceiling = [CEILING_FA] if args.flash_attn else []
     print(harness.md_table(
         ["target", "tokens/s (median)", "per round", "× ceiling (same round)",
+         *(f"× {name.split(':')[0]} (same round)" for name in extra_ceiling),
          "× llama-server -t 2 (same round)", "× floor (same round)"],
         [[name, statistics.median(values), " ".join(f"{v:.1f}" for v in values),
-          per_round(name, CEILING), per_round(name, LLAMA_SERVER),
-          per_round(name, FLOOR)]
+          per_round(name, CEILING),
+          *(per_round(name, other) for other in extra_ceiling),
+          per_round(name, LLAMA_SERVER), per_round(name, FLOOR)]
          for name, values in rates.items()]))
     return 0
 

@@ -277,11 +277,13 @@ SAMPLING = {"temp": _DEFAULTS.temperature, "top_k": _DEFAULTS.top_k,
             "repeat_penalty": _DEFAULTS.repeat_penalty}
 
 
-def load_llama(model: str, n_threads: int, n_ctx: int = 2048):
+def load_llama(model: str, n_threads: int, n_ctx: int = 2048, *,
+               flash_attn: bool = False):
     import llama_cpp
 
     return llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=n_threads,
-                           n_threads_batch=n_threads, verbose=False)
+                           n_threads_batch=n_threads, flash_attn=flash_attn,
+                           verbose=False)
 
 
 def ban_eog(llama):
@@ -343,8 +345,8 @@ def stream_once(url: str, prompt: str, max_tokens: int) -> LoopTiming:
 
 
 def _generate_in_child(model: str, n_threads: int, prompt: str, n_tokens: int,
-                       reps: int, barrier, results) -> None:
-    llama = load_llama(model, n_threads)
+                       reps: int, flash_attn: bool, barrier, results) -> None:
+    llama = load_llama(model, n_threads, flash_attn=flash_attn)
     processors = ban_eog(llama)
     generate_loop(llama, prompt, 4, processors)  # warm-up
     barrier.wait()
@@ -355,7 +357,7 @@ def _generate_in_child(model: str, n_threads: int, prompt: str, n_tokens: int,
 
 
 def parallel_generate(model: str, processes: int, n_threads: int, prompt: str,
-                      n_tokens: int, reps: int) -> dict:
+                      n_tokens: int, reps: int, *, flash_attn: bool = False) -> dict:
     """The ceiling: ``processes`` in-process generate loops side by side.
 
     Returns requests/s and tokens/s over the slowest process's wall time.
@@ -366,8 +368,8 @@ def parallel_generate(model: str, processes: int, n_threads: int, prompt: str,
     barrier = ctx.Barrier(processes)
     results = ctx.Queue()
     procs = [ctx.Process(target=_generate_in_child,
-                         args=(model, n_threads, prompt, n_tokens, reps, barrier,
-                               results))
+                         args=(model, n_threads, prompt, n_tokens, reps,
+                               flash_attn, barrier, results))
              for _ in range(processes)]
     for p in procs:
         p.start()
