@@ -356,6 +356,12 @@ class ProgressLine:
 
 def run_bench(config: BenchConfig, progress: TextIO | None = None) -> dict:
     """Run the load and return the summary (see ``summarize``)."""
+    return summarize(config, *run_requests(config, progress))
+
+
+def run_requests(config: BenchConfig, progress: TextIO | None = None
+                 ) -> tuple[list[RequestResult], float]:
+    """Run the load: every request's result, and the wall time it took."""
     results: list[RequestResult] = []
     issued = 0
     turn_lock = threading.Lock()
@@ -398,7 +404,7 @@ def run_bench(config: BenchConfig, progress: TextIO | None = None) -> dict:
     wall_s = time.perf_counter() - started
     if line:
         line.draw(results, final=True)
-    return summarize(config, results, wall_s)
+    return results, wall_s
 
 
 def _fmt_ms(d: dict) -> str:

@@ -11,7 +11,8 @@ target for ``--duration`` seconds in a rotating order, then the ceiling (two
 processes each running a bare ``Llama.generate`` loop with one thread, no
 HTTP). Printed: each target's median tokens/s over the rounds, and the
 median of its per-round ratios to the ceiling, to llama-server and to the
-floor measured in the same round.
+floor measured in the same round; then each server's time to first token,
+p50 and p99 over every request of every round.
 
 The floor (``tests.bench.floor_pool``) has the pool's processes and ZeroMQ
 hops and none of its code: what it loses against the ceiling is what that
@@ -31,6 +32,7 @@ import contextlib
 import os
 import statistics
 
+from llamapool.loadgen import percentile
 from tests.bench import harness
 from tests.bench.bench_throughput import PROMPT
 
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                                          extra=("--flash-attn", "on")))
     ceilings = {CEILING: False, **({CEILING_FA: True} if args.flash_attn else {})}
     rates: dict[str, list[float]] = {name: [] for name in [*starts, *ceilings]}
+    ttfts: dict[str, list[float]] = {name: [] for name in starts}
     with contextlib.ExitStack() as stack:
         urls = {}
         for name, start in starts.items():
@@ -91,11 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         names = list(urls)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                report = harness.run_load(
+                report, ttft_s = harness.run_load_ttfts(
                     urls[name], concurrency=args.concurrency, requests=None,
                     duration_s=args.duration, max_tokens=args.tokens,
                     prompt=PROMPT, ignore_eos=True, wait_after_503_s=0.05)
                 rates[name].append(report["output_tokens_per_s"])
+                ttfts[name] += ttft_s
             for name, flash_attn in ceilings.items():
                 ceiling = harness.parallel_generate(
                     model, processes=2, n_threads=1, prompt=PROMPT,
@@ -122,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
           *(per_round(name, other) for other in extra_ceiling),
           per_round(name, LLAMA_SERVER), per_round(name, FLOOR)]
          for name, values in rates.items()]))
+    print(f"\nTime to first token over all rounds, concurrency {args.concurrency}:\n")
+    print(harness.md_table(
+        ["server", "requests", "TTFT p50 ms", "TTFT p99 ms"],
+        [[name, len(values), 1000 * percentile(values, 50),
+          1000 * percentile(values, 99)] for name, values in ttfts.items()]))
     return 0
 
 

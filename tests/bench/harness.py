@@ -253,6 +253,15 @@ def run_load(url: str, **config) -> dict:
     return loadgen.run_bench(loadgen.BenchConfig(base_url=url, **config))
 
 
+def run_load_ttfts(url: str, **config) -> tuple[dict, list[float]]:
+    """``run_load``, and every completed request's time to first token (s),
+    for percentiles over several runs."""
+    bench = loadgen.BenchConfig(base_url=url, **config)
+    results, wall_s = loadgen.run_requests(bench)
+    return (loadgen.summarize(bench, results, wall_s),
+            [r.ttft_s for r in results if r.ok and r.ttft_s is not None])
+
+
 # --- in-process generation -----------------------------------------------------
 
 
