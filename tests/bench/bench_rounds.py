@@ -93,12 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.callback(server.stop)
         names = list(urls)
         for name in names:
-            # The first requests prefill the prompt cold (every server keeps
-            # its prefix after that): outside the rounds, or they are the
-            # TTFT p99 and a slow first round.
-            harness.run_load(urls[name], concurrency=args.concurrency,
-                             requests=2 * args.concurrency, max_tokens=4,
-                             prompt=PROMPT, ignore_eos=True, wait_after_503_s=0.05)
+            harness.warm_up(urls[name], args.concurrency, PROMPT)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 report, ttft_s = harness.run_load_ttfts(

@@ -37,6 +37,7 @@ CONCURRENCY = (1, 2, 4)
 def load_rows(name: str, url: str, args) -> list[list]:
     """One row per concurrency level; "× ceiling" is filled in later."""
     rows = []
+    harness.warm_up(url, max(CONCURRENCY), PROMPT)
     for c in CONCURRENCY:
         report = harness.run_load(
             url, concurrency=c, requests=None, duration_s=args.duration,

@@ -253,6 +253,15 @@ def run_load(url: str, **config) -> dict:
     return loadgen.run_bench(loadgen.BenchConfig(base_url=url, **config))
 
 
+def warm_up(url: str, concurrency: int, prompt: str) -> None:
+    """A few short requests before a measurement: a server's first ones
+    prefill the prompt cold and touch memory for the first time (the pool's
+    first two at concurrency 2 took 220-230 ms to their first token, the
+    rest 60-70), and would otherwise be its TTFT p99."""
+    run_load(url, concurrency=concurrency, requests=2 * concurrency, max_tokens=4,
+             prompt=prompt, ignore_eos=True, wait_after_503_s=0.05)
+
+
 def run_load_ttfts(url: str, **config) -> tuple[dict, list[float]]:
     """``run_load``, and every completed request's time to first token (s),
     for percentiles over several runs."""
