@@ -255,9 +255,9 @@ def run_load(url: str, **config) -> dict:
 
 def warm_up(url: str, concurrency: int, prompt: str) -> None:
     """A few short requests before a measurement: a server's first ones
-    prefill the prompt cold and touch memory for the first time (the pool's
-    first two at concurrency 2 took 220-230 ms to their first token, the
-    rest 60-70), and would otherwise be its TTFT p99."""
+    prefill the prompt cold and touch memory for the first time (a fresh
+    pool's first two at concurrency 2 took 218 and 229 ms to their first
+    token, the rest 60-78), and would otherwise be its TTFT p99."""
     run_load(url, concurrency=concurrency, requests=2 * concurrency, max_tokens=4,
              prompt=prompt, ignore_eos=True, wait_after_503_s=0.05)
 
