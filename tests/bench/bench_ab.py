@@ -6,7 +6,7 @@ does a change make the pool faster?
     # or: python -m tests.bench.bench_ab --before /tmp/before
 
 Both pools (``llamapool up --workers 2 --threads 1``, the default model) are
-up at once; an idle pool costs no CPU. Each round runs both for
+up at once, each warmed up first; an idle pool costs no CPU. Each round runs both for
 ``--duration`` seconds, in an order that alternates from round to round, and
 the printed figure is each round's ratio of this checkout's tokens/s to the
 other's, with their median and mean. On this shared 2-core machine one
@@ -54,10 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     rates: dict[str, list[float]] = {name: [] for name in starts}
     with contextlib.ExitStack() as stack:
-        urls = {}
-        for name, start in starts.items():
-            server, urls[name] = start()
-            stack.callback(server.stop)
+        urls = harness.start_warm(stack, starts, concurrency=args.concurrency,
+                                  prompt=PROMPT)
         for r in range(args.rounds):
             order = [this, other] if r % 2 == 0 else [other, this]
             for name in order:

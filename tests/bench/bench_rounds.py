@@ -87,13 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, list[float]] = {name: [] for name in [*starts, *ceilings]}
     ttfts: dict[str, list[float]] = {name: [] for name in starts}
     with contextlib.ExitStack() as stack:
-        urls = {}
-        for name, start in starts.items():
-            server, urls[name] = start()
-            stack.callback(server.stop)
+        urls = harness.start_warm(stack, starts, concurrency=args.concurrency,
+                                  prompt=PROMPT)
         names = list(urls)
-        for name in names:
-            harness.warm_up(urls[name], args.concurrency, PROMPT)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 report, ttft_s = harness.run_load_ttfts(
@@ -118,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n## Concurrency {args.concurrency}, {args.rounds} interleaved rounds "
           f"({os.path.basename(model)}, {args.tokens} tokens, ignore_eos, "
           f"{args.duration:.0f} s per target per round, {os.cpu_count()} cores)\n")
-    extra_ceiling = [CEILING_FA] if args.flash_attn else []
+    extra_ceiling = [name for name in ceilings if name != CEILING]
     print(harness.md_table(
         ["target", "tokens/s (median)", "per round", "× ceiling (same round)",
          *(f"× {name.split(':')[0]} (same round)" for name in extra_ceiling),

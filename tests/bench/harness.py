@@ -7,6 +7,7 @@ process started as a user starts it, and stopped with SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -260,6 +261,20 @@ def warm_up(url: str, concurrency: int, prompt: str) -> None:
     token, the rest 60-78), and would otherwise be its TTFT p99."""
     run_load(url, concurrency=concurrency, requests=2 * concurrency, max_tokens=4,
              prompt=prompt, ignore_eos=True, wait_after_503_s=0.05)
+
+
+def start_warm(stack: contextlib.ExitStack, starts: dict, *, concurrency: int,
+               prompt: str) -> dict[str, str]:
+    """Start every server of ``starts`` (name -> a ``llamapool_up``-like
+    function), each stopped when ``stack`` closes, all up before any is
+    warmed up (``warm_up``); returns name -> base URL."""
+    urls = {}
+    for name, start in starts.items():
+        server, urls[name] = start()
+        stack.callback(server.stop)
+    for url in urls.values():
+        warm_up(url, concurrency, prompt)
+    return urls
 
 
 def run_load_ttfts(url: str, **config) -> tuple[dict, list[float]]:
