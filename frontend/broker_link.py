@@ -51,7 +51,10 @@ class JobStream:
         self.job_id = job_id
         #: Set by the link thread when the broker's ACCEPTED arrives.
         self.accepted = False
-        self._frames: queue.SimpleQueue[messages.Message] = queue.SimpleQueue()
+        # queue.Queue for every timed wait here, never SimpleQueue: CPython
+        # 3.11's SimpleQueue.get(timeout) waits forever if a signal handler
+        # returns after the deadline (tests/test_interrupted_waits.py).
+        self._frames: queue.Queue[messages.Message] = queue.Queue()
 
     def put(self, msg: messages.Message) -> None:
         self._frames.put(msg)
@@ -81,7 +84,7 @@ class BrokerLink(LinkHandler):
         self.curve = curve
         self._start_lock = threading.Lock()
         self._streams: dict[str, JobStream] = {}
-        self._status_waiters: dict[str, queue.SimpleQueue] = {}
+        self._status_waiters: dict[str, queue.Queue] = {}
         #: The newest STATUS reply and when it arrived (monotonic), for
         #: callers that accept a slightly stale ledger.
         self._latest_status: tuple[float, PoolStatus] | None = None
@@ -163,7 +166,7 @@ class BrokerLink(LinkHandler):
                 and time.monotonic() - latest[0] <= max_age_s):
             return latest[1]
         request_id = uuid.uuid4().hex
-        waiter: queue.SimpleQueue = queue.SimpleQueue()
+        waiter: queue.Queue = queue.Queue()  # see JobStream._frames
         self._status_waiters[request_id] = waiter
         try:
             self.send(messages.Status(request_id))

@@ -267,7 +267,10 @@ class ModelWorker(LinkHandler):
         self.engine: Engine | None = None
         self.ctx = ctx or zmq.Context.instance()
         self.name = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
-        self._jobs: queue.SimpleQueue[ActiveJob] = queue.SimpleQueue()
+        # A queue.Queue, not a SimpleQueue: the main thread's timed get is
+        # where SIGTERM lands, and CPython 3.11's SimpleQueue waits forever
+        # if a handler returns after the deadline (tests/test_interrupted_waits.py).
+        self._jobs: queue.Queue[ActiveJob] = queue.Queue()
         self.jobs_done = 0
         self._sd = notifier or SilentNotifier()
         self.tokens_generated = 0
