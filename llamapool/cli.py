@@ -301,6 +301,13 @@ def _fail(log: logging.Logger, code: ExitCode, message: str, *args: Any) -> int:
     return code
 
 
+def _metrics_port_failure(log: logging.Logger, port: int, exc: OSError) -> int:
+    """The ``/metrics`` port is in use (or not ours to bind): name it and
+    exit with the bind code, before any socket to the pool is open."""
+    return _fail(log, ExitCode.BIND, "cannot serve metrics on port %d: %s",
+                 port, exc.strerror or exc)
+
+
 def run_broker(args: argparse.Namespace) -> int:
     import zmq
 
@@ -317,7 +324,10 @@ def run_broker(args: argparse.Namespace) -> int:
     if settings.metrics_port:
         from workers.broker.metrics import serve_broker_metrics
 
-        metrics = serve_broker_metrics(settings.metrics_port)
+        try:
+            metrics = serve_broker_metrics(settings.metrics_port)
+        except OSError as exc:
+            return _metrics_port_failure(log, settings.metrics_port, exc)
     broker = Broker(settings, metrics=metrics, notifier=sd_notify.Notifier())
     try:
         broker.bind()
@@ -361,7 +371,10 @@ def run_worker(args: argparse.Namespace) -> int:
     if settings.metrics_port:
         from workers.model.metrics import serve_worker_metrics
 
-        serve_worker_metrics(worker, settings.metrics_port)
+        try:
+            serve_worker_metrics(worker, settings.metrics_port)
+        except OSError as exc:
+            return _metrics_port_failure(log, settings.metrics_port, exc)
     try:
         worker.run(stop)
     except EngineLoadError as exc:

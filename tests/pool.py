@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,10 +36,48 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def free_port() -> int:
+#: Ports are drawn from here, not from bind(0): see ``free_port``.
+_PORT_PICKER = random.SystemRandom()  # immune to tests that seed ``random``
+#: The lowest port ``free_port`` draws from.
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = f.read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("0.0.0.0", port))  # free on every address
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A TCP port free now on every address, for a child process to bind.
+
+    Between this pick and the child's bind, another socket can take the
+    port: in CI, a worker once died on its --metrics-port that way. So the
+    pick is from below the kernel's ephemeral range, where no outgoing
+    connection's source port and no bind(0) on the machine can land; only
+    another explicit bind can take it.
+    """
+    low, _ = _ephemeral_range()
+    if low - _LOWEST_PORT < 1000:  # an unusual range: fall back to bind(0)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    while True:
+        port = _PORT_PICKER.randrange(_LOWEST_PORT, low)
+        if _bindable(port):
+            return port
 
 
 def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.02):

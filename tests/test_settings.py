@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import subprocess
 
 import pytest
@@ -90,6 +91,24 @@ def test_malformed_variable_exits_with_usage_code(tmp_path):
                 f"ipc://{tmp_path}/w", env={"LLAMAPOOL_HEARTBEAT_LIVENESS": "x"})
     assert done.returncode == ExitCode.USAGE
     assert "LLAMAPOOL_HEARTBEAT_LIVENESS='x' is not int" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("role", ["broker", "worker"])
+def test_a_metrics_port_in_use_exits_with_the_bind_code(role, tmp_path):
+    """Once a CI flake: a worker whose --metrics-port was taken died with a
+    traceback (exit 1), and nothing said which port."""
+    endpoints = {
+        "broker": ("--frontends", f"ipc://{tmp_path}/f", "--workers", f"ipc://{tmp_path}/w"),
+        "worker": ("--broker", f"ipc://{tmp_path}/w", "--engine", "synthetic"),
+    }
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = _run(role, *endpoints[role], "--metrics-port", str(port))
+    assert done.returncode == ExitCode.BIND
+    assert f"cannot serve metrics on port {port}" in done.stderr
     assert "Traceback" not in done.stderr
 
 
