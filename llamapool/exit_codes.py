@@ -20,7 +20,8 @@ class ExitCode(enum.IntEnum):
     MODEL_LOAD = 3
     #: ``llamapool frontend`` found no gunicorn config.
     NO_CONFIG = 4
-    #: An endpoint could not be bound (in use, or no such address yet).
+    #: An endpoint or the metrics port could not be bound (in use, or no
+    #: such address yet).
     BIND = 5
     #: A non-loopback endpoint without CURVE (and no --insecure-plaintext).
     INSECURE = 6
