@@ -215,9 +215,7 @@ class Broker:
                 timeout_ms = max(0.0, wake_at - time.monotonic()) * 1000
                 ready = dict(poller.poll(min(timeout_ms, interval_s * 1000)))
                 if self._worker_sock in ready:
-                    self._drain(self._worker_sock, curve.WORKERS,
-                                self._on_worker_frames,
-                                self._on_malformed_from_worker)
+                    self._read_workers()
                 if self._frontend_sock in ready:
                     self._drain(self._frontend_sock, curve.FRONTENDS,
                                 self._on_frontend_frames, self._malformed)
@@ -235,6 +233,10 @@ class Broker:
             self._sd.stopping()
             self.close()
             log.info("broker stopped")
+
+    def _read_workers(self) -> None:
+        self._drain(self._worker_sock, curve.WORKERS, self._on_worker_frames,
+                    self._on_malformed_from_worker)
 
     def _drain(self, sock: zmq.Socket, role: str, handle, malformed) -> None:
         deadline = time.monotonic() + min(
@@ -726,9 +728,16 @@ class Broker:
         if self.metrics is not None:
             self.metrics.publish(self.snapshot(now))
         beat = messages.Heartbeat().to_wire()
-        for ident in list(self.ledger.workers):
-            if not self._to_worker(ident, beat):
-                self._worker_died(ident, "unreachable")
+        unreachable = [ident for ident in list(self.ledger.workers)
+                       if not self._to_worker(ident, beat)]
+        if unreachable:
+            # A worker that said goodbye and closed its socket is unreachable
+            # before this loop has read the DISCONNECT queued behind the
+            # closed pipe: read it first, so a goodbye is not a death.
+            self._read_workers()
+            for ident in unreachable:
+                if ident in self.ledger.workers:
+                    self._worker_died(ident, "unreachable")
         for ident in list(self.ledger.frontends):
             self._to_frontend(ident, beat)
         self._drop_stuck_frontends()
