@@ -40,7 +40,7 @@ faults: $(STAMP_TEST)
 	bench-retry-after bench-output-controls bench-limits bench-web-page \
 	bench-thread-stepdown llama-server bench-cpu-per-token \
 	bench-llama-details bench-embeddings bench-conversations bench-prompt-state \
-	bench-ttft-hops bench-rounds bench-ab
+	bench-ttft-hops bench-rounds bench-ab bench-handoff
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -49,6 +49,11 @@ bench-overhead: $(STAMP_TEST)
 # records each process's steps; no llamapool code knows about it).
 bench-ttft-hops: llama-server
 	$(PY) -m tests.bench.bench_ttft_hops $(BENCH_ARGS)
+
+# What one thread hand-off and one ZeroMQ ipc hop cost on this machine,
+# idle and with cores kept busy (for reading bench-ttft-hops).
+bench-handoff: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_handoff $(BENCH_ARGS)
 
 # llama.cpp's own server, built once from the llama.cpp vendored in the
 # installed llama-cpp-python (cached in ~/.cache/llamapool; ~10 min on 2 cores).
