@@ -30,6 +30,10 @@ from tests.pool import Proc, cli, wait_until
 #: Generous: only bounds how long a regression takes to fail, on a loaded
 #: machine; a wait that works returns right after the slow handler.
 WATCHDOG_S = 30.0
+#: The in-process waits: long enough that the signalling thread, polling
+#: every millisecond, cannot miss the main thread inside one on a loaded
+#: machine.
+WAIT_S = 1.0
 
 
 class WaitHung(Exception):
@@ -93,16 +97,17 @@ def a_signal_that_outlasts(function_name: str, timeout_s: float):
 
 def test_a_job_streams_frame_wait_ends_when_a_signal_outlasts_it():
     stream = JobStream("job-1")
-    with a_signal_that_outlasts("get", timeout_s=0.2):
-        assert stream.get(0.2) is None
+    with a_signal_that_outlasts("get", timeout_s=WAIT_S):
+        assert stream.get(WAIT_S) is None
 
 
 def test_a_status_wait_ends_when_a_signal_outlasts_it(tmp_path):
     link = BrokerLink(f"ipc://{tmp_path}/nobody", heartbeat_interval_s=0.2,
                       heartbeat_liveness=3)
+    link.start()  # so that inside status() there is little but the wait
     try:
-        with a_signal_that_outlasts("status", timeout_s=0.2):
-            assert link.status(timeout_s=0.2) is None
+        with a_signal_that_outlasts("status", timeout_s=WAIT_S):
+            assert link.status(timeout_s=WAIT_S) is None
     finally:
         link.close()
 
