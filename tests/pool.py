@@ -42,13 +42,12 @@ _PORT_PICKER = random.SystemRandom()  # immune to tests that seed ``random``
 _LOWEST_PORT = 10000
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _lowest_ephemeral_port() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = f.read().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _bindable(port: int) -> bool:
@@ -69,7 +68,7 @@ def free_port() -> int:
     connection's source port and no bind(0) on the machine can land; only
     another explicit bind can take it.
     """
-    low, _ = _ephemeral_range()
+    low = _lowest_ephemeral_port()
     if low - _LOWEST_PORT < 1000:  # an unusual range: fall back to bind(0)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

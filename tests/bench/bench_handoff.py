@@ -1,12 +1,13 @@
 """What one thread hand-off costs on this machine, idle and with cores busy.
 
-    python -m tests.bench.bench_handoff [--rounds N] [--busy 0 1 2]
+    make bench-handoff    # or: python -m tests.bench.bench_handoff [--busy 0 1 2]
 
 The time to first token crosses five hand-offs between threads that the
-design has (BENCHMARKS.md section 16): gunicorn's event loop to a request
-thread, request thread to link thread and back, the worker's link thread to
-its main thread and back. Measured inside the pool they cost 0.2-0.7 ms
-each. This asks how much of that is the hand-off itself: one thread puts a
+design has: gunicorn's event loop to a request thread, request thread to
+link thread and back, the worker's link thread to its main thread and back.
+The segments of ``bench-ttft-hops`` that hold them take 0.14-0.27 ms each
+(BENCHMARKS.md section 17). This asks how much of that is the hand-off
+itself: one thread puts a
 timestamp in a ``queue.Queue`` (as the pool's threads do), a second thread
 blocked on ``get`` takes it, and the delay is recorded. The same for a
 ZeroMQ ``ipc://`` PAIR between two processes, the pool's kind of hop.
@@ -23,12 +24,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import queue
-import statistics
 import tempfile
 import threading
 import time
 
 import zmq
+
+from llamapool.loadgen import percentile
+from tests.bench import harness
 
 #: Between two hand-offs, so that each one finds its receiver asleep, as in
 #: the pool (a request's hand-offs are milliseconds apart).
@@ -42,13 +45,13 @@ def _spin(stop) -> None:
 
 
 def thread_handoffs(rounds: int) -> list[float]:
-    """Delays (ms) from ``put`` in one thread to ``get`` returning in another."""
+    """Delays (µs) from ``put`` in one thread to ``get`` returning in another."""
     handoffs: queue.Queue[float | None] = queue.Queue()
     delays: list[float] = []
 
     def receiver():
         while (sent := handoffs.get()) is not None:
-            delays.append((time.perf_counter() - sent) * 1000)
+            delays.append((time.perf_counter() - sent) * 1e6)
 
     thread = threading.Thread(target=receiver)
     thread.start()
@@ -68,14 +71,14 @@ def _ipc_receiver(endpoint: str, rounds: int, results) -> None:
     delays = []
     for _ in range(rounds):
         sent = float(sock.recv())
-        delays.append((time.time() - sent) * 1000)
+        delays.append((time.time() - sent) * 1e6)
     results.put(delays)
     sock.close(0)
     ctx.term()
 
 
 def ipc_hops(rounds: int) -> list[float]:
-    """Delays (ms) from ``send`` in one process to ``recv`` returning in
+    """Delays (µs) from ``send`` in one process to ``recv`` returning in
     another, over a ZeroMQ ``ipc://`` PAIR (wall clock: both processes read
     the same one)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,9 +114,8 @@ def run(busy: int, rounds: int) -> tuple[float, float, float, float]:
         stop.set()
         for spinner in spinners:
             spinner.join()
-    q = statistics.quantiles
-    return (statistics.median(threads), q(threads, n=10)[-1],
-            statistics.median(hops), q(hops, n=10)[-1])
+    return (harness.median(threads), percentile(threads, 90),
+            harness.median(hops), percentile(hops, 90))
 
 
 def main() -> None:
@@ -133,12 +135,11 @@ def main() -> None:
     for _ in range(args.repeat):
         for busy in args.busy:
             medians[busy].append(run(busy, args.rounds))
-    print("| cores kept busy | thread hand-off, ms p50 | p90 "
-          "| ZeroMQ ipc hop, ms p50 | p90 |")
-    print("|---|---|---|---|---|")
-    for busy, runs in medians.items():
-        cols = [statistics.median(r[i] for r in runs) for i in range(4)]
-        print(f"| {busy} | " + " | ".join(f"{c:.3f}" for c in cols) + " |")
+    print(harness.md_table(
+        ["cores kept busy", "thread hand-off, µs p50", "p90",
+         "ZeroMQ ipc hop, µs p50", "p90"],
+        [[busy, *(harness.median([r[i] for r in runs]) for i in range(4))]
+         for busy, runs in medians.items()]))
 
 
 if __name__ == "__main__":
