@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import select
 import signal
-import threading
 
 from llamapool.exit_codes import ExitCode
 
@@ -18,10 +18,21 @@ EXIT_FORCED = ExitCode.FORCED
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT. ``wait``-able, so loops can sleep on it."""
+    """Set by SIGTERM/SIGINT. ``wait``-able, so loops can sleep on it.
+
+    The handler takes no lock. It runs on the main thread, between two
+    bytecodes of whatever that thread was doing, and with a
+    ``threading.Event`` that could be inside ``Event.wait`` holding the lock
+    ``Event.set`` needs: the handler then blocked forever (``llamapool up``
+    hung on SIGTERM; ``tests/test_stop_flag.py``). So a set is a plain
+    boolean plus one byte in a pipe that is never drained; ``wait`` is a
+    ``select`` on that pipe, which any number of threads may do at once,
+    and which Python retries with the time left when a signal interrupts it.
+    """
 
     def __init__(self) -> None:
-        self._event = threading.Event()
+        self._set = False
+        self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.signal_count = 0
 
     def install(self) -> StopFlag:
@@ -34,16 +45,23 @@ class StopFlag:
         self.signal_count += 1
         if self.signal_count > 1:
             os._exit(EXIT_FORCED)
-        self._event.set()
+        self.set()
 
     def set(self) -> None:
-        self._event.set()
+        self._set = True
+        try:
+            os.write(self._write_fd, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full of earlier sets: already readable
 
     def is_set(self) -> bool:
-        return self._event.is_set()
+        return self._set
 
     def wait(self, timeout_s: float | None) -> bool:
-        return self._event.wait(timeout_s)
+        if not self._set:
+            # Readable for good once set (never drained).
+            select.select([self._read_fd], [], [], timeout_s)
+        return self._set
 
 
 def dump_stacks_on_sigusr1() -> None:
