@@ -76,6 +76,13 @@ class TwoBrokerLan:
         self.worker_eps = [f"tcp://{hosts[b].address}:5556" for b in ("b1", "b2")]
         for i in (0, 1):
             self.start_broker(i)
+        # Workers only once both brokers listen: a worker whose broker is
+        # silent for the liveness window at start moves to the other one
+        # (workers.model.broker_choice), and a broker slow to start on a
+        # loaded machine then never gets the worker this test expects of it.
+        for name in ("b1-broker", "b2-broker"):
+            wait_until(lambda proc=self.procs[name]: "broker listening" in proc.log(),
+                       60, f"{name} listening")
 
         def client_keys(name: str) -> list[str]:
             return ["--curve-server-key", str(keys / "broker.key"),
