@@ -135,7 +135,8 @@ class BrokerLink(LinkHandler):
         """
         self.start()
         msg = messages.Submit(job_id, request, prefix_blocks or [], id_slot)
-        size = len(msg.to_wire()[2])
+        frames = msg.to_wire()
+        size = len(frames[2])
         if size > messages.Submit.LIMITS.max_bytes:
             # The broker would drop it as malformed and the client would wait
             # for nothing: refuse here, naming the limit.
@@ -144,7 +145,7 @@ class BrokerLink(LinkHandler):
                 f"{messages.Submit.LIMITS.max_bytes}")
         stream = JobStream(job_id)
         self._streams[job_id] = stream
-        self.send(msg)
+        self._conn.send(msg, frames)
         return stream
 
     def forget(self, job_id: str) -> None:

@@ -217,17 +217,19 @@ class BrokerConnection:
         self._thread.start()
         return self
 
-    def send(self, msg: messages.Message) -> None:
+    def send(self, msg: messages.Message, frames: list[bytes] | None = None) -> None:
         """Send ``msg`` to the broker, in order with this thread's other sends.
 
         From another thread it is queued for the link thread (and the
         handler's ``forward`` sees it there); from the link thread, in a
         callback, it goes out at once. After ``stop`` it is dropped.
+        ``frames``: ``msg.to_wire()``, if the caller has it already.
         """
         # Encoded here: a message that cannot be encoded raises in the code
         # that made it, not in the link thread, and the encoding work is
         # spread over the senders.
-        frames = msg.to_wire()
+        if frames is None:
+            frames = msg.to_wire()
         if threading.get_ident() == self._thread_id:
             self._write(frames)
         elif not self._stopping:

@@ -21,8 +21,12 @@ import argparse
 import contextlib
 import os
 import statistics
+import tempfile
+from pathlib import Path
 
+from llamapool.loadgen import percentile
 from tests.bench import harness
+from tests.bench.bench_overhead import PROMPT as TTFT_PROMPT
 from tests.bench.bench_throughput import PROMPT
 
 
@@ -31,17 +35,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", required=True, metavar="DIR",
                         help="the other checkout (its llamapool code is run)")
     parser.add_argument("--model", default=None, help="GGUF (default: Gemma 3 270M)")
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per request (default 64; with --ttft, 1)")
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--duration", type=float, default=12.0,
                         help="seconds per pool per round")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 rounds of 3 s, 16 tokens")
+    parser.add_argument("--ttft", action="store_true",
+                        help="compare the time to first token, one request at a time")
+    parser.add_argument("--requests", type=int, default=400,
+                        help="with --ttft: requests per pool")
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.duration, args.tokens = 2, 3.0, 16
+        args.rounds, args.duration, args.tokens, args.requests = 2, 3.0, 16, 20
+    if args.model == "tiny":
+        args.model = harness.tiny_model(Path(tempfile.mkdtemp(prefix="bench-ab-")))
     model = args.model or harness.default_model()
+    if args.ttft:
+        return compare_ttft(model, args.before, args.requests, args.tokens or 1)
+    args.tokens = args.tokens or 64
     this = f"this checkout ({harness.checkout_commit('.')})"
     other = f"--before ({harness.checkout_commit(args.before)})"
     starts = {
@@ -81,6 +95,47 @@ def main(argv: list[str] | None = None) -> int:
           " ".join(f"{v:.3f}" for v in ratios)]]))
     below = sum(1 for v in ratios if v < 1)
     print(f"\n{below} of {len(ratios)} rounds below 1.")
+    return 0
+
+
+def compare_ttft(model: str, before: str, requests: int, tokens: int) -> int:
+    """Time to first token and CPU per request, this checkout against
+    ``before``, one request at a time, alternating request by request."""
+    this = f"this checkout ({harness.checkout_commit('.')})"
+    other = f"--before ({harness.checkout_commit(before)})"
+    checkouts = {this: os.getcwd(), other: before}
+    ttfts: dict[str, list[float]] = {name: [] for name in checkouts}
+    cpu_s = dict.fromkeys(checkouts, 0.0)
+    with contextlib.ExitStack() as stack:
+        pools = {}
+        for name, checkout in checkouts.items():
+            server, url = harness.llamapool_up(model, workers=1, threads=1,
+                                               checkout=checkout)
+            stack.callback(server.stop)
+            pools[name] = (server, url)
+        for _ in range(10):  # warm up: connections, caches, the first prefill
+            for _, url in pools.values():
+                harness.stream_once(url, TTFT_PROMPT, tokens)
+        for i in range(requests):
+            order = [this, other] if i % 2 == 0 else [other, this]
+            for name in order:
+                server, url = pools[name]
+                cpu_before = harness.tree_cpu_seconds(server.pid)
+                ttfts[name].append(harness.stream_once(url, TTFT_PROMPT, tokens).ttft_s)
+                cpu_s[name] += harness.tree_cpu_seconds(server.pid) - cpu_before
+    diffs = sorted(a - b for a, b in zip(ttfts[this], ttfts[other]))
+    print(f"\n## Time to first token, {this} against {other}: {requests} "
+          f"streamed requests each, one at a time, alternating "
+          f"({os.path.basename(model)}, {tokens} token(s), one worker each)\n")
+    rows = []
+    for name in checkouts:
+        values = sorted(ttfts[name])
+        rows.append([name, 1000 * percentile(values, 50), 1000 * percentile(values, 90),
+                     1000 * percentile(values, 99), 1000 * cpu_s[name] / requests])
+    rows.append(["paired difference, this - before",
+                 1000 * percentile(diffs, 50), "", "", ""])
+    print(harness.md_table(["", "TTFT p50, ms", "p90", "p99", "CPU per request, ms"],
+                           rows))
     return 0
 
 

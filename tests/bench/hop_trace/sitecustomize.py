@@ -19,6 +19,7 @@ import functools
 import importlib.abc
 import os
 import sys
+import threading
 import time
 
 PREFIX = os.environ.get("LLAMAPOOL_HOP_TRACE")
@@ -34,6 +35,8 @@ POINTS = {
     "gunicorn.workers.gthread": [("ThreadWorker.handle", "in", "http.thread")],
     "gunicorn.http.wsgi": [("Response.write", "out", "http.write")],
     "falcon.app": [("App.__call__", "out", "falcon.out")],
+    "frontend.app": [("GenerationResource.on_post", "in", "responder.in"),
+                     ("GenerationResource.on_post", "out", "responder.out")],
     "frontend.prompt_gate": [("PromptGate.check", "in", "gate.in"),
                              ("PromptGate.check", "out", "gate.out")],
     "frontend.broker_link": [("BrokerLink.submit", "in", "submit.in"),
@@ -43,7 +46,8 @@ POINTS = {
     "protocol.link": [("BrokerConnection.send", "in", "send."),
                       ("BrokerConnection._write", "in", "write."),
                       ("BrokerConnection._receive", "in", "link.recv")],
-    "workers.broker.broker": [("Broker._on_submit", "in", "broker.submit.in"),
+    "workers.broker.broker": [("Broker._drain", "in", "broker.drain"),
+                              ("Broker._on_submit", "in", "broker.submit.in"),
                               ("Broker._to_worker", "in", "broker.to_worker"),
                               ("Broker._relay_token", "in", "broker.relay")],
     "workers.model.worker": [("ModelWorker.on_message", "in", "worker.msg."),
@@ -54,12 +58,15 @@ POINTS = {
 }
 
 _out = None
+_opening = threading.Lock()
 
 
 def _record(label: str) -> None:
     global _out
     if _out is None:
-        _out = open(f"{PREFIX}.{os.getpid()}", "a", buffering=1 << 16)
+        with _opening:  # two threads' first records: one file, one buffer
+            if _out is None:
+                _out = open(f"{PREFIX}.{os.getpid()}", "a", buffering=1 << 16)
     _out.write(f"{label} {time.perf_counter():.7f}\n")
 
 
