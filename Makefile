@@ -40,7 +40,7 @@ faults: $(STAMP_TEST)
 	bench-retry-after bench-output-controls bench-limits bench-web-page \
 	bench-thread-stepdown llama-server bench-cpu-per-token \
 	bench-llama-details bench-embeddings bench-conversations bench-prompt-state \
-	bench-ttft-hops bench-rounds bench-ab bench-handoff
+	bench-ttft-hops bench-rounds bench-ab bench-handoff bench-native-bias
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -92,6 +92,10 @@ bench-memory: $(STAMP_TEST)
 
 bench-generate-loop: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_generate_loop $(BENCH_ARGS)
+
+# A ban (ignore_eos) per token: Python logits processor vs llama.cpp's sampler.
+bench-native-bias: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_native_bias $(BENCH_ARGS)
 
 # The CURVE role attacks against this checkout (before/after table).
 bench-curve-roles: $(STAMP_TEST)

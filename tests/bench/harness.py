@@ -312,19 +312,27 @@ SAMPLING = {"temp": _DEFAULTS.temperature, "top_k": _DEFAULTS.top_k,
 
 def load_llama(model: str, n_threads: int, n_ctx: int = 2048, *,
                flash_attn: bool = False):
-    import llama_cpp
+    """The model as the worker loads it (``LogitBiasLlama``, for ``ban_eog``)."""
+    from workers.model.native_bias import LogitBiasLlama
 
-    return llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=n_threads,
-                           n_threads_batch=n_threads, flash_attn=flash_attn,
-                           verbose=False)
+    return LogitBiasLlama(model_path=model, n_ctx=n_ctx, n_threads=n_threads,
+                          n_threads_batch=n_threads, flash_attn=flash_attn,
+                          verbose=False)
 
 
-def ban_eog(llama):
-    """A logits processor list that bans end-of-generation (ignore_eos)."""
+def ban_eog(llama, *, in_python: bool = False):
+    """Ban end-of-generation tokens (ignore_eos) in ``llama``'s later
+    ``generate`` calls, as the worker does: with llama.cpp's logit-bias
+    sampler (``workers.model.native_bias``). Returns the logits processors to
+    pass to ``generate``: none then; with ``in_python``, llama-cpp-python's
+    own way, a Python processor on the whole vocabulary per token."""
     import llama_cpp
 
     vocab = llama._model.vocab
     eog = [t for t in range(llama.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+    if not in_python:
+        llama.logit_bias = dict.fromkeys(eog, -float("inf"))
+        return None
 
     def processor(input_ids, scores):
         scores[eog] = -float("inf")

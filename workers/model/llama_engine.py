@@ -30,6 +30,7 @@ from workers.model.engine import (
 )
 from workers.model.grammar import GrammarError
 from workers.model.logits import MAX_BIASED_TOKENS, BiasError, RequestLogits
+from workers.model.native_bias import LogitBiasLlama
 from workers.model.prompt_cache import MIB, PromptStateCache
 from workers.model.prompt_reuse import PromptReuse
 from workers.model.prompting import PromptBuilder, PromptError, ToolsUnsupported
@@ -86,7 +87,7 @@ class LlamaEngine:
         # record the Python side drops tokens or raises after a successful
         # decode. Asking for the rounded size keeps the two equal.
         n_ctx = -(-n_ctx // CTX_GRANULARITY) * CTX_GRANULARITY
-        self.llama = llama_cpp.Llama(
+        self.llama = LogitBiasLlama(
             model_path=model_path,
             n_ctx=n_ctx,
             n_threads=n_threads,
@@ -196,6 +197,8 @@ class LlamaEngine:
         n_generated = 0
         first_token_at = None
         finish = "length"
+        # Read when the generator makes its sampler chain, at the first token.
+        self.llama.logit_bias = logits.native_bias
         tokens = self.llama.generate(
             plan.tokens,
             reset=plan.reset,
@@ -250,6 +253,7 @@ class LlamaEngine:
             # Closing the generator leaves the last sampled token un-evaluated;
             # kv_cache.plan_reuse accounts for that on the next request.
             tokens.close()
+            self.llama.logit_bias = {}
         ended = time.perf_counter()
         first_token_at = first_token_at or ended
         tail = "" if finish == "cancelled" else output.tail(detok.flush())

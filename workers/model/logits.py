@@ -6,6 +6,11 @@ chain, on the raw logits (index = token id). Log-probabilities are read there,
 before any bias, so they are the model's own distribution (as
 llama-cpp-python's ``logprobs`` are); the grammar comes last so that it sees
 every ban, and its dead-end check covers them all.
+
+Bias and bans alone (no grammar, no bias of ``-inf`` that could ban every
+token) go to llama.cpp's own logit-bias sampler instead, right after the
+processors (``workers.model.native_bias``): the same change, without a
+Python call on the whole vocabulary per token.
 """
 
 from __future__ import annotations
@@ -103,11 +108,22 @@ class RequestLogits:
         self.processors: list = []
         self.grammar: GrammarConstraint | None = None
         self.logprobs: LogprobRecorder | None = None
+        #: Token id -> bias for llama.cpp's logit-bias sampler (``-inf``:
+        #: banned); empty when the processors apply them.
+        self.native_bias: dict[int, float] = {}
         self._eog_ids = eog_ids
         if request.logprobs is not None:
             self.logprobs = LogprobRecorder(request.logprobs, vocab)
             self.processors.append(self.logprobs)
         bias = resolve_bias(request.sampling.logit_bias, n_vocab, tokenize)
+        if not request.grammar and not any(math.isinf(b) for b in bias.values()):
+            # Nothing needs to see the bias applied (the grammar's dead-end
+            # check, the never-empty guard): llama.cpp applies it, after the
+            # processors, as llama-server applies logit_bias and ignore_eos.
+            self.native_bias = dict(bias)
+            if request.sampling.ignore_eos:
+                self.native_bias.update(dict.fromkeys(eog_ids, -np.inf))
+            return
         if bias:
             self._bias_ids = np.fromiter(bias, dtype=np.int64)
             self._bias = np.fromiter(bias.values(), dtype=np.float32)
