@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from protocol.payloads import GenerationRequest, LogitBias, Sampling
+from tests.null_sink import NullSink
+from workers.model.llama_engine import LlamaEngine
 from workers.model.logits import RequestLogits
 from workers.model.native_bias import LogitBiasLlama
 
@@ -108,3 +110,22 @@ def test_what_must_see_the_bans_keeps_them_in_python(llama, fields):
         assert len(logits.processor_list()) >= 2
     finally:
         logits.close()
+
+
+def test_the_engine_hands_ignore_eos_to_llama_cpp(tiny_model, monkeypatch):
+    engine = LlamaEngine(str(tiny_model), n_ctx=256, n_threads=1)
+    assert engine._eog_ids, "the test model has end tokens to ban"
+    chains = []
+    make_chain = LogitBiasLlama._init_sampler
+
+    def spy(self, *args, **kwargs):
+        chains.append((dict(self.logit_bias), kwargs.get("logits_processor")))
+        return make_chain(self, *args, **kwargs)
+
+    monkeypatch.setattr(LogitBiasLlama, "_init_sampler", spy)
+    result = engine.run(GenerationRequest("completion", "Hello", max_tokens=3,
+                                          sampling=Sampling(ignore_eos=True)),
+                        NullSink())
+    assert result.completion_tokens == 3
+    assert chains == [(dict.fromkeys(engine._eog_ids, -math.inf), None)]
+    assert engine.llama.logit_bias == {}

@@ -58,16 +58,19 @@ POINTS = {
 }
 
 _out = None
-_opening = threading.Lock()
+_lock = threading.Lock()
 
 
 def _record(label: str) -> None:
     global _out
-    if _out is None:
-        with _opening:  # two threads' first records: one file, one buffer
-            if _out is None:
-                _out = open(f"{PREFIX}.{os.getpid()}", "a", buffering=1 << 16)
-    _out.write(f"{label} {time.perf_counter():.7f}\n")
+    line = f"{label} {time.perf_counter():.7f}\n"
+    # A text file's writes are not thread-safe (TextIOWrapper keeps its own
+    # pending buffer), and a worker's two threads both record: unlocked,
+    # their records interleaved into corrupt lines.
+    with _lock:
+        if _out is None:
+            _out = open(f"{PREFIX}.{os.getpid()}", "a", buffering=1 << 16)
+        _out.write(line)
 
 
 def _message_name(args) -> str:
