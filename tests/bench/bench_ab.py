@@ -21,8 +21,6 @@ import argparse
 import contextlib
 import os
 import statistics
-import tempfile
-from pathlib import Path
 
 from llamapool.loadgen import percentile
 from tests.bench import harness
@@ -34,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, metavar="DIR",
                         help="the other checkout (its llamapool code is run)")
-    parser.add_argument("--model", default=None, help="GGUF (default: Gemma 3 270M)")
+    parser.add_argument("--model", default=None,
+                        help="GGUF, or tiny: the test model (default: Gemma 3 270M)")
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens per request (default 64; with --ttft, 1)")
     parser.add_argument("--concurrency", type=int, default=2)
@@ -50,9 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.duration, args.tokens, args.requests = 2, 3.0, 16, 20
-    if args.model == "tiny":
-        args.model = harness.tiny_model(Path(tempfile.mkdtemp(prefix="bench-ab-")))
-    model = args.model or harness.default_model()
+    model = harness.model_path(args.model)
     if args.ttft:
         return compare_ttft(model, args.before, args.requests, args.tokens or 1)
     args.tokens = args.tokens or 64
@@ -123,13 +120,13 @@ def compare_ttft(model: str, before: str, requests: int, tokens: int) -> int:
                 cpu_before = harness.tree_cpu_seconds(server.pid)
                 ttfts[name].append(harness.stream_once(url, TTFT_PROMPT, tokens).ttft_s)
                 cpu_s[name] += harness.tree_cpu_seconds(server.pid) - cpu_before
-    diffs = sorted(a - b for a, b in zip(ttfts[this], ttfts[other]))
+    diffs = [a - b for a, b in zip(ttfts[this], ttfts[other])]
     print(f"\n## Time to first token, {this} against {other}: {requests} "
           f"streamed requests each, one at a time, alternating "
           f"({os.path.basename(model)}, {tokens} token(s), one worker each)\n")
     rows = []
     for name in checkouts:
-        values = sorted(ttfts[name])
+        values = ttfts[name]
         rows.append([name, 1000 * percentile(values, 50), 1000 * percentile(values, 90),
                      1000 * percentile(values, 99), 1000 * cpu_s[name] / requests])
     rows.append(["paired difference, this - before",

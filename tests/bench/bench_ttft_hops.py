@@ -159,7 +159,8 @@ def segments_of_requests(records) -> list[dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="GGUF (default: Gemma 3 270M)")
+    parser.add_argument("--model", default=None,
+                        help="GGUF, or tiny: the test model (default: Gemma 3 270M)")
     parser.add_argument("--threads", type=int,
                         default=max(1, (os.cpu_count() or 2) // 2))
     parser.add_argument("--requests", type=int, default=30)
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.requests = 5
-    model = args.model or harness.default_model()
+    model = harness.model_path(args.model)
     checkouts = {f"this ({harness.checkout_commit('.')})": os.getcwd()}
     if args.before:
         checkouts[f"before ({harness.checkout_commit(args.before)})"] = args.before

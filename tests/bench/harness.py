@@ -62,6 +62,14 @@ def default_model() -> str:
     return default_model_path()
 
 
+def model_path(arg: str | None) -> str:
+    """A benchmark's ``--model``: a GGUF path, ``tiny`` for the test model
+    (written to a temporary directory), or None for the default model."""
+    if arg == "tiny":
+        return tiny_model(Path(tempfile.mkdtemp(prefix="bench-tiny-")))
+    return arg or default_model()
+
+
 def tiny_model(directory: Path) -> str:
     from llamapool.test_model import write_test_model
 
