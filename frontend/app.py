@@ -135,20 +135,38 @@ class ModelsResource(LedgerView):
 
 
 class HealthResource(LedgerView):
-    """``GET /health``: 200 once a worker is loaded, 503 while none is."""
+    """``GET /health``: 200 once a worker is loaded, 503 while none is: with
+    the workers' failures when they died (``failing``), so an operator sees
+    a crash loop instead of "Loading model" forever."""
 
     def on_get(self, req, resp) -> None:
         status = self.ledger(resp, self.settings.health_cache_s)
         if status is None:
             return
+        failing = failing_workers(status)
         if status.slots_total == 0:
-            write_error(resp, Unavailable(ErrorCode.LOADING_MODEL, "Loading model"))
+            if failing:
+                write_error(resp, Unavailable(
+                    ErrorCode.WORKERS_FAILING,
+                    "no worker can start: " + "; ".join(
+                        f"{f['worker']}: {f['failure']}" for f in failing)))
+            else:
+                write_error(resp, Unavailable(ErrorCode.LOADING_MODEL,
+                                              "Loading model"))
             return
         resp.media = {
             "status": "ok",
             "slots_idle": status.slots_free,
             "slots_processing": status.slots_total - status.slots_free,
+            **({"failing": failing} if failing else {}),
         }
+
+
+def failing_workers(status: PoolStatus) -> list[dict]:
+    """The workers that died and are restarting or held, and why."""
+    return [{"worker": slot.worker_name, "host": slot.host, "state": slot.state,
+             "failure": slot.failure}
+            for slot in status.slots if slot.failure]
 
 
 class MetricsResource(LedgerView):
@@ -222,6 +240,11 @@ def public_slot(slot: SlotStatus) -> dict:
         # Where the model's layers are: GPU layers asked and really offloaded
         # (0 on a CPU build), and the devices the worker sees.
         "gpu": None if slot.gpu is None else dataclasses.asdict(slot.gpu),
+        # Whether llama.cpp repacked the weights, and why (--repack).
+        "repack": slot.repack,
+        # How the worker's last run died, while it restarts ("loading") or
+        # after its supervisor held it ("failed"); "" otherwise.
+        "failure": slot.failure,
     }
 
 

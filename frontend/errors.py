@@ -60,6 +60,7 @@ HTTP_FORMS: dict[ErrorCode, HttpForm] = {
     ErrorCode.CLIENT_STALLED: HttpForm(408, INVALID_REQUEST),
     ErrorCode.ENGINE_ERROR: HttpForm(500, SERVER_ERROR),
     ErrorCode.WORKER_DIED: HttpForm(502, SERVER_ERROR),
+    ErrorCode.WORKER_CRASHED: HttpForm(502, SERVER_ERROR),
     ErrorCode.WORKER_RESTARTED: HttpForm(502, SERVER_ERROR),
     ErrorCode.WORKER_PROTOCOL_ERROR: HttpForm(502, SERVER_ERROR),
     ErrorCode.TIMEOUT: HttpForm(504, SERVER_ERROR),
@@ -70,6 +71,7 @@ HTTP_FORMS: dict[ErrorCode, HttpForm] = {
     ErrorCode.BROKER_RESTARTED: HttpForm(503, UNAVAILABLE),
     ErrorCode.NO_SLOT: HttpForm(503, UNAVAILABLE),
     ErrorCode.LOADING_MODEL: HttpForm(503, UNAVAILABLE),
+    ErrorCode.WORKERS_FAILING: HttpForm(503, UNAVAILABLE),
 }
 
 #: A code this frontend does not know (a newer peer's): a plain server error.

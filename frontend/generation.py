@@ -38,7 +38,7 @@ def start_request_job(link: BrokerLink, generation: GenerationRequest,
         submit_timeout_s=settings.submit_timeout_s,
         frame_timeout_s=settings.frame_timeout_s,
         credit_batch_frames=settings.credit_batch_frames,
-        outcome=record.expect_job(),
+        new_outcome=record.expect_job,
         on_release=record.lease_released,
         id_slot=id_slot,
     )
@@ -55,13 +55,19 @@ def start_job(
     submit_timeout_s: float,
     frame_timeout_s: float,
     credit_batch_frames: int,
-    outcome: JobOutcome | None = None,
+    new_outcome: Callable[[], JobOutcome] = JobOutcome,
     on_release: Callable[[SlotLease], None] | None = None,
     id_slot: int = -1,
 ) -> Job:
     """Submit ``generation`` and wait for its first frame.
 
-    ``id_slot`` other than -1 asks the broker for that one slot.
+    ``id_slot`` other than -1 asks the broker for that one slot. A job whose
+    worker died before its first token (``worker_died`` as the first frame:
+    nothing was sent to the client) is submitted once more, to whichever
+    idle worker a broker picks; if that worker dies too, the error is
+    ``worker_crashed`` and there is no third try, so one prompt that
+    crashes workers costs the pool two of them, not all. ``new_outcome``
+    gives each try its own outcome (one per lease).
 
     Raises:
         NoSlotAvailable: the broker refused (every slot busy).
@@ -69,14 +75,51 @@ def start_job(
             or no answer or first frame came in time.
         Unavailable: the broker answered something that is no answer.
     """
+    def attempt() -> Job:
+        return _submit(link, generation, submit_timeout_s=submit_timeout_s,
+                       frame_timeout_s=frame_timeout_s,
+                       credit_batch_frames=credit_batch_frames,
+                       outcome=new_outcome(), on_release=on_release,
+                       id_slot=id_slot)
+
+    try:
+        return attempt()
+    except UpstreamError as exc:
+        if exc.code != ErrorCode.WORKER_DIED:
+            raise
+        first_death = exc
+    try:
+        return attempt()
+    except UpstreamError as exc:
+        if exc.code != ErrorCode.WORKER_DIED:
+            raise first_death from None  # no second worker: the first error
+        raise UpstreamError(
+            ErrorCode.WORKER_CRASHED,
+            "the model worker died before the first token, and so did the "
+            "worker the request was retried on; it is not tried again") from None
+    except NoSlotAvailable:
+        raise first_death from None
+
+
+def _submit(
+    link: BrokerLink,
+    generation: GenerationRequest,
+    *,
+    submit_timeout_s: float,
+    frame_timeout_s: float,
+    credit_batch_frames: int,
+    outcome: JobOutcome,
+    on_release: Callable[[SlotLease], None] | None,
+    id_slot: int,
+) -> Job:
+    """One try of ``start_job``: a lease, SUBMIT, the answer, the first frame."""
     lease = SlotLease(uuid.uuid4().hex, link.send, link.forget, on_release)
     try:
         tokens = generation.prompt_tokens
         stream = link.submit(lease.job_id, generation,
                              prefix_blocks(tokens) if tokens else None, id_slot)
         job = Job(lease, stream, send=link.send, frame_timeout_s=frame_timeout_s,
-                  credit_batch_frames=credit_batch_frames,
-                  outcome=outcome or JobOutcome())
+                  credit_batch_frames=credit_batch_frames, outcome=outcome)
         answer = job.answer(submit_timeout_s)
         if answer is None:
             raise UpstreamError(ErrorCode.BROKER_UNREACHABLE,

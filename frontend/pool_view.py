@@ -65,7 +65,8 @@ def merge_statuses(replies: list[tuple[int, PoolStatus]]) -> PoolStatus | None:
     for status in statuses:
         for name, value in status.counters.items():
             counters[name] = counters.get(name, 0) + value
-    loading = sum(1 for s in slots if s.state == "loading")
+    # Like each ledger's own count: a failed (held) worker is no slot either.
+    loading = sum(1 for s in slots if s.state in ("loading", "failed"))
     free = max(0, sum(s.slots_free for s in statuses) - duplicate_idle)
     full = [s.retry_after_s for s in statuses if s.slots_free == 0]
     return PoolStatus(

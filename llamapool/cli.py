@@ -1,7 +1,7 @@
 """The ``llamapool`` command.
 
 Subcommands: ``up``, ``broker``, ``worker``, ``frontend``, ``make-test-model``,
-``bench``, ``keygen``.
+``bench``, ``keygen``, ``exit-report``.
 
 The broker, worker and frontend each build one frozen settings object
 (``workers.broker.settings``, ``workers.model.settings``,
@@ -14,19 +14,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
 from frontend.settings import FrontendSettings
 from llamapool import curve_cli, sd_notify
 from llamapool.exit_codes import ExitCode
+from llamapool.test_model import QUANTS as TEST_MODEL_QUANTS
 from llamapool.signals import StopFlag, dump_stacks_on_sigusr1
 from protocol.curve import CurveKeyError, client_keys
 from protocol.settings import ConfigError, load, to_env
 from workers.broker.settings import ROUTING_POLICIES, BrokerSettings, reject_removed
 from workers.model.settings import ENGINES, WorkerSettings
+from workers.model.weight_repack import REPACK_CHOICES
 
 
 def _setup_logging(level: str, fmt: str) -> None:
@@ -157,6 +161,10 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                  metavar="MIB")
     setting_flag(p, "--gpu-layers", W, "gpu_layers", type=int, metavar="N")
     setting_flag(p, "--flash-attn", W, "flash_attn", choices=["on", "off"])
+    setting_flag(p, "--repack", W, "repack", choices=list(REPACK_CHOICES),
+                 help="llama.cpp's weight repacking (off: llama-server's "
+                      "--no-repack); auto turns it off on a CPU with AMX, "
+                      "whose kernel crashes at this llama.cpp")
     _add_model_flags(p, W)
 
 
@@ -291,6 +299,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a chat template that renders tools")
     model.add_argument("--fim", action="store_true",
                        help="with fill-in-the-middle tokens (for /infill)")
+    model.add_argument("--quant", choices=TEST_MODEL_QUANTS, default="f32",
+                       help="the layers' weight type: q8_0 and q4_0 take "
+                            "llama.cpp's quantized (repacked, AMX) kernels")
+    report = sub.add_parser(
+        "exit-report",
+        help="a systemd unit's ExecStopPost: log how its process ended",
+        description="Logs one line such as 'worker-1 killed by SIGSEGV during "
+                    "job 3f2a' from systemd's EXIT_CODE and EXIT_STATUS and "
+                    "the worker's phase file; silent after a clean exit.")
+    report.add_argument("--name", default="worker", help="the name to log")
+    report.add_argument("--phase-file",
+                        default=os.environ.get("LLAMAPOOL_PHASE_FILE", ""),
+                        help="the worker's phase file (env LLAMAPOOL_PHASE_FILE)")
     _add_bench_parser(sub)
     curve_cli.add_keygen_parser(sub)
     return parser
@@ -423,6 +444,8 @@ def run_frontend(args: argparse.Namespace) -> int:
         "LLAMAPOOL_BIND": args.bind,
         "LLAMAPOOL_LOG_LEVEL": args.log_level,
         "LLAMAPOOL_LOG_FORMAT": args.log_format,
+        # gunicorn is exec'd: faulthandler, enabled here, would not survive.
+        "PYTHONFAULTHANDLER": "1",
     })
     return ExitCode.OK  # not reached
 
@@ -434,13 +457,35 @@ def run_make_test_model(args: argparse.Namespace) -> int:
         from llamapool.test_model import TOOLS_CHAT_TEMPLATE
 
         write_test_model(
-            args.path, fim=args.fim,
+            args.path, fim=args.fim, quant=args.quant,
             **({"chat_template": TOOLS_CHAT_TEMPLATE} if args.tools_template else {}))
     except ModuleNotFoundError as exc:
         print(f"llamapool make-test-model needs {exc.name}: "
               "pip install 'llamapool[test]'", file=sys.stderr)
         return ExitCode.USAGE
     print(args.path)
+    return ExitCode.OK
+
+
+def run_exit_report(args: argparse.Namespace) -> int:
+    from protocol.worker_phase import describe_exit, read_phase
+
+    log = logging.getLogger("llamapool.exit")
+    # systemd's ExecStopPost environment: EXIT_CODE is exited, killed or
+    # dumped; EXIT_STATUS the exit status or the signal's name ("SEGV").
+    how, status = os.environ.get("EXIT_CODE", ""), os.environ.get("EXIT_STATUS", "")
+    try:
+        if how in ("killed", "dumped"):
+            code = -signal.Signals[f"SIG{status}"].value
+        elif how == "exited":
+            code = int(status)
+        else:
+            return ExitCode.OK  # not run by systemd after a stop
+    except (KeyError, ValueError):
+        log.error("%s ended: %s %s", args.name, how, status)
+        return ExitCode.OK
+    if code != 0:
+        log.error("%s %s", args.name, describe_exit(code, read_phase(args.phase_file)))
     return ExitCode.OK
 
 
@@ -455,6 +500,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A native crash (SIGSEGV, SIGILL, SIGBUS, SIGFPE in llama.cpp) writes
+    # every thread's Python stack to stderr, the log, before the process
+    # dies of it; gunicorn's processes get it from PYTHONFAULTHANDLER
+    # (``run_frontend``).
+    faulthandler.enable(all_threads=True)
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level, args.log_format)
     if args.command == "up":
@@ -469,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         "frontend": run_frontend,
         "make-test-model": run_make_test_model,
         "bench": run_bench,
+        "exit-report": run_exit_report,
         "keygen": curve_cli.run_keygen,
     }
     return int(handlers[args.command](args))

@@ -28,12 +28,19 @@ import urllib.request
 
 from llamapool.exit_codes import NOT_RESTARTABLE, ExitCode
 from llamapool.signals import StopFlag
+from protocol.worker_phase import describe_exit, read_phase
 
 log = logging.getLogger("llamapool.up")
 
 RESTART_BACKOFF_MAX_S = 30.0
 STOP_TIMEOUT_S = 40.0
 _PR_SET_PDEATHSIG = 1
+#: A worker that died this many times in a row (no run of
+#: ``HEALTHY_RUN_S`` between) is held instead of restarted: a crash at
+#: every warm-up, or on every first job, would otherwise repeat forever.
+HOLD_AFTER_CRASHES = 5
+#: A run this long forgives the crashes before it.
+HEALTHY_RUN_S = 60.0
 
 
 def default_model_path() -> str:
@@ -59,12 +66,18 @@ class Child:
     """One supervised process of role ``role`` (broker, worker or frontend)."""
 
     def __init__(self, name: str, role: str, argv: list[str],
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 phase_file: str | None = None) -> None:
         self.name = name
         self.role = role
         self.argv = argv
         #: Variables set for this child on top of the supervisor's own.
-        self.env = env or {}
+        self.env = dict(env or {})
+        #: Where a worker notes what it is doing (``protocol.worker_phase``),
+        #: read when it dies to say during what.
+        self.phase_file = phase_file
+        if phase_file:
+            self.env["LLAMAPOOL_PHASE_FILE"] = phase_file
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.backoff_s = 1.0
@@ -72,6 +85,10 @@ class Child:
         #: The exit code, once the child exited in a way a restart would only
         #: repeat (``NOT_RESTARTABLE``); None while it is supervised.
         self.given_up: int | None = None
+        #: Deaths in a row, without a healthy run between.
+        self.crashes = 0
+        #: Set once a crashing worker is held (``HOLD_AFTER_CRASHES``): why.
+        self.held: str | None = None
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -84,13 +101,17 @@ class Child:
         """Restart the child if it died, waiting out its backoff first.
 
         A child that exited with a code in ``NOT_RESTARTABLE`` (a usage or
-        key error) is not restarted, as its systemd unit would not be.
+        key error) is not restarted, as its systemd unit would not be. A
+        worker that keeps dying is held after ``HOLD_AFTER_CRASHES``: in its
+        place runs a stand-in that only tells the broker why
+        (``LLAMAPOOL_HELD``), so ``/health`` and ``/slots`` say so.
         """
         if self.given_up is not None:
             return
         if self.proc is None or self.proc.poll() is None:
-            if self.proc is not None and now - self.started_at > 60:
-                self.backoff_s = 1.0  # it ran long enough: forgive past crashes
+            if self.proc is not None and now - self.started_at > HEALTHY_RUN_S:
+                # It ran long enough: forgive past crashes.
+                self.backoff_s, self.crashes = 1.0, 0
             return
         code = self.proc.returncode
         if code in NOT_RESTARTABLE[self.role]:
@@ -100,14 +121,39 @@ class Child:
             self.given_up = code
             return
         if self.restart_at is None:
-            log.warning("%s (pid %d) exited with %s; restarting in %.0fs",
-                        self.name, self.proc.pid, code, self.backoff_s)
-            self.restart_at = now + self.backoff_s
-            self.backoff_s = min(RESTART_BACKOFF_MAX_S, self.backoff_s * 2)
+            self._died(now, code)
         elif now >= self.restart_at:
             self.restart_at = None
             self.restarts += 1
             self.start()
+
+    def _died(self, now: float, code: int) -> None:
+        how = describe_exit(code, read_phase(self.phase_file))
+        if self.held is not None:  # the stand-in itself: just start it again
+            log.warning("%s (held) stand-in exited: %s", self.name, how)
+            self.restart_at = now + self.backoff_s
+            return
+        self.crashes += 1
+        if self.role == "worker" and self.crashes >= HOLD_AFTER_CRASHES:
+            self.held = (f"{self.name} held after {self.crashes} crashes in a "
+                         f"row; last: {how}")
+            log.error("%s (pid %d). Not restarting it (/health and /slots say "
+                      "why): fix the cause and start the pool again; on an "
+                      "Intel CPU with AMX, try --repack off", self.held,
+                      self.proc.pid)
+            self.env.update({"LLAMAPOOL_HELD": "1",
+                             "LLAMAPOOL_LAST_FAILURE": self.held})
+            self.restart_at = now  # the stand-in, at once
+            return
+        log.warning("%s (pid %d) %s; restarting in %.0fs", self.name,
+                    self.proc.pid, how, self.backoff_s)
+        if self.role == "worker":
+            # Told to the broker while the new run loads (``/health``).
+            self.env["LLAMAPOOL_LAST_FAILURE"] = (
+                f"{self.name} {how} (restart {self.crashes} of "
+                f"{HOLD_AFTER_CRASHES - 1} before it is held)")
+        self.restart_at = now + self.backoff_s
+        self.backoff_s = min(RESTART_BACKOFF_MAX_S, self.backoff_s * 2)
 
     def terminate(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -182,7 +228,8 @@ def run_up(args: argparse.Namespace) -> int:
                                       "embedding_batch_tokens": "--embedding-batch",
                                       "cache_ram_mib": "--cache-ram",
                                       "gpu_layers": "--gpu-layers",
-                                      "flash_attn": "--flash-attn"})]
+                                      "flash_attn": "--flash-attn",
+                                      "repack": "--repack"})]
     frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
                      "--bind", f"{args.host}:{args.port}", "--model", model,
                      *shared, *liveness,
@@ -196,7 +243,8 @@ def run_up(args: argparse.Namespace) -> int:
     gpus = getattr(args, "gpus", None)
     workers = [Child(f"worker-{i}", "worker", worker_argv,
                      env=({"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
-                          if gpus else None))
+                          if gpus else None),
+                     phase_file=os.path.join(rundir, f"worker-{i}.phase"))
                for i in range(args.workers)]
     frontend = Child("frontend", "frontend", frontend_argv)
     children = [broker, *workers, frontend]

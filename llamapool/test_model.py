@@ -107,9 +107,23 @@ def _vocab(fim: bool = False) -> tuple[list[str], list[float], list[int]]:
     return pieces, scores, [int(t) for t in types]
 
 
+#: Weight types ``write_test_model`` can write (``--quant``). The block
+#: quants are what users run, and the ones llama.cpp's repacked (AVX2:
+#: Q4_0) and AMX (Q4_0, Q8_0) matmul kernels take; F32 takes neither.
+QUANTS = ("f32", "q8_0", "q4_0")
+
+#: The quantized tensors: the layers' matrices, as a quantized model's are.
+#: The embeddings and the output matrix stay F32, so the bias channel below
+#: keeps its exact offsets.
+_QUANTIZED_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight",
+                       "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
+                       "ffn_down.weight")
+
+
 def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
-                     chat_template: str = CHAT_TEMPLATE, fim: bool = False) -> None:
-    """Write a tiny random-weight llama GGUF (F32, ~0.5 MB).
+                     chat_template: str = CHAT_TEMPLATE, fim: bool = False,
+                     quant: str = "f32") -> None:
+    """Write a tiny random-weight llama GGUF (F32 ~0.5 MB, less quantized).
 
     2 layers, 64 dims, 4 heads (2 KV heads), FFN 128, context length 2048,
     SPM vocabulary (<unk>=0, <s>=1, </s>=2, byte tokens, a few hundred pieces,
@@ -122,10 +136,14 @@ def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
             one that renders tools).
         fim: Also give it fill-in-the-middle tokens (``FIM_PIECES``), for
             ``/infill``; the default model has none, like most chat models.
+        quant: One of ``QUANTS``: the layers' weight type.
     """
+    if quant not in QUANTS:
+        raise ValueError(f"quant {quant!r}: one of {', '.join(QUANTS)}")
     # Imported here: gguf and numpy are test dependencies, not the server's.
     import numpy as np
-    from gguf import GGUFWriter, LlamaFileType
+    from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
+    from gguf.quants import quantize
 
     pieces, scores, types = _vocab(fim)
     n_vocab = len(pieces)
@@ -181,7 +199,11 @@ def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
 
     writer = GGUFWriter(os.fspath(path), "llama")
     writer.add_name("llamapool-test-model")
-    writer.add_file_type(LlamaFileType.ALL_F32)
+    qtype = {"q8_0": GGMLQuantizationType.Q8_0,
+             "q4_0": GGMLQuantizationType.Q4_0}.get(quant)
+    writer.add_file_type({"q8_0": LlamaFileType.MOSTLY_Q8_0,
+                          "q4_0": LlamaFileType.MOSTLY_Q4_0}.get(
+                              quant, LlamaFileType.ALL_F32))
     writer.add_context_length(N_CTX_TRAIN)
     writer.add_embedding_length(N_EMBD)
     writer.add_block_count(N_LAYER)
@@ -212,7 +234,11 @@ def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
             writer.add_uint32(key, pieces.index(piece))
 
     for name, data in tensors.items():
-        writer.add_tensor(name, data)
+        if qtype is not None and name.endswith(_QUANTIZED_SUFFIXES):
+            # Bytes of blocks: the writer derives the shape from them.
+            writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, data)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

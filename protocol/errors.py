@@ -40,6 +40,10 @@ class ErrorCode(str, enum.Enum):
     DUPLICATE_JOB = "duplicate_job"
     INVALID_SLOT = "invalid_slot"  # ``id_slot`` names no slot in the ledger
     WORKER_DIED = "worker_died"
+    #: A job's worker died before its first token and the worker it was
+    #: retried on died too (the frontend tries a job once more, no more:
+    #: ``frontend.generation``): most likely the request crashes workers.
+    WORKER_CRASHED = "worker_crashed"
     WORKER_RESTARTED = "worker_restarted"
     # The worker sent a frame for the job that does not decode (a broken or
     # rogue worker): the job fails and the worker is disconnected.
@@ -55,6 +59,9 @@ class ErrorCode(str, enum.Enum):
     # ledger with no worker registered yet (what ``/health`` reports).
     NO_SLOT = "no_slot"
     LOADING_MODEL = "loading_model"
+    #: No worker is loaded, and the workers that tried died (restarting, or
+    #: held after a crash loop): what ``/health`` reports then.
+    WORKERS_FAILING = "workers_failing"
 
     def __str__(self) -> str:
         return self.value

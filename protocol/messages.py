@@ -131,7 +131,8 @@ def _register(command: int, body_limits: limits.BodyLimits = limits.SMALL,
 
 
 @_register(0x01, worker_name=_NAME, model=_NAME, n_ctx=_INT, pid=_INT,
-           host=_HOST, engine=_NAME, pool_cores=_POOL_CORES, gpu=GpuPlacement)
+           host=_HOST, engine=_NAME, pool_cores=_POOL_CORES, gpu=GpuPlacement,
+           repack=_REASON)
 class Ready(Message):
     """Worker -> broker: the model is loaded and this worker is idle.
 
@@ -149,16 +150,26 @@ class Ready(Message):
     pool_cores: int = 0
     #: Where the model's layers are (``--gpu-layers``, ``CUDA_VISIBLE_DEVICES``).
     gpu: GpuPlacement = dataclasses.field(default_factory=GpuPlacement)
+    #: Whether llama.cpp repacked the weights, and why (``--repack``).
+    repack: str = ""
 
 
-@_register(0x05, worker_name=_NAME, model=_NAME, pid=_INT, host=_HOST)
+@_register(0x05, worker_name=_NAME, model=_NAME, pid=_INT, host=_HOST,
+           failure=_REASON, held=(bool,))
 class Loading(Message):
-    """Worker -> broker: I exist and am loading ``model``; no jobs yet."""
+    """Worker -> broker: I exist and am loading ``model``; no jobs yet.
+
+    ``failure``: how this worker's last run ended, when it died (``killed by
+    SIGSEGV during warm-up``); ``held``: its supervisor stopped restarting
+    it after a crash loop, and this process only says so (it loads nothing).
+    """
 
     worker_name: str
     model: str
     pid: int
     host: str
+    failure: str = ""
+    held: bool = False
 
 
 @_register(0x02, pid=_INT, host=_HOST)

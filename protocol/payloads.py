@@ -327,13 +327,14 @@ class GpuPlacement(WireRecord):
              host=_STR, pid=_INT, model=_STR, engine=_STR, n_ctx=_INT,
              lease_age_s=Optional(_NUM), lease_taken_at=Optional(_NUM),
              jobs_served=_INT, progress=Optional(JobProgress),
-             prompt_cache=Optional(PromptCacheStatus), gpu=Optional(GpuPlacement))
+             prompt_cache=Optional(PromptCacheStatus), gpu=Optional(GpuPlacement),
+             failure=_STR, repack=_STR)
 class SlotStatus(WireRecord):
     """One slot (one worker) in the ledger. Never any prompt text: the broker
     does not have it."""
 
     id: int
-    #: loading, idle, busy or cancelling (``workers.broker.ledger``).
+    #: loading, idle, busy, cancelling or failed (``workers.broker.ledger``).
     state: str
     id_task: str | None
     worker_name: str
@@ -353,6 +354,11 @@ class SlotStatus(WireRecord):
     prompt_cache: PromptCacheStatus | None = None
     #: Where its model's layers are (None: a worker of an older version).
     gpu: GpuPlacement | None = None
+    #: How its last run died, while it loads again (state ``loading``) or
+    #: is held after a crash loop (state ``failed``); "" otherwise.
+    failure: str = ""
+    #: Whether llama.cpp repacked its weights, and why (``--repack``).
+    repack: str = ""
 
 
 @wire_record(buckets=ListOf(_NUM), cumulative=ListOf(_INT), sum=_NUM, count=_INT,

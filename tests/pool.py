@@ -213,7 +213,8 @@ class Pool:
                  worker_args: tuple[str, ...] = (), wait_ready: bool = True,
                  global_args: tuple[str, ...] = (),
                  frontend_tokenizes: bool = True,
-                 broker_args: tuple[str, ...] = ()) -> None:
+                 broker_args: tuple[str, ...] = (),
+                 worker_env: dict | None = None) -> None:
         self.model_path = model_path
         self.run_dir = run_dir
         self.frontends_ep = f"ipc://{run_dir}/frontends"
@@ -222,6 +223,8 @@ class Pool:
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_keys = api_keys
         self.worker_args = worker_args
+        #: Variables set for every worker on top of the test's own.
+        self.worker_env = worker_env
         self.global_args = global_args
         self.broker_args = broker_args
         self.broker = self._start_broker()
@@ -262,6 +265,7 @@ class Pool:
                 "--threads", "1", "--ctx", "2048", *TEST_HEARTBEAT,
                 *self.worker_args),
             self.run_dir,
+            env={**os.environ, **self.worker_env} if self.worker_env else None,
         )
         self.workers.append(proc)
         return proc

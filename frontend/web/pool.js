@@ -116,9 +116,11 @@ export class PoolView {
       tr.append(
         cell(String(s.id)),
         // Paused: its client is not reading; the stall timeout ends it then.
-        cell(s.pause_ends_in_s == null ? s.state
+        // Failing: it died and restarts, or is held; the failure says how.
+        cell(s.failure ? `${s.state}: ${s.failure}`
+          : s.pause_ends_in_s == null ? s.state
           : `${s.state}, paused (${Math.ceil(s.pause_ends_in_s)} s left)`,
-        `state ${s.state}`),
+        `state ${s.state}${s.failure ? " failing" : ""}`),
         cell(s.host),
         cell(String(s.pid)),
         cell(s.model),

@@ -7,6 +7,8 @@ broker is its only owner.
 A worker is one slot. Its states:
 
 * ``loading``: announced itself, still loading its model; gets no job;
+* ``failed``: its supervisor holds it after a crash loop; the process only
+  says why (``failure``), and never gets a job;
 * ``idle``: registered, free for a job;
 * ``busy``: running a job;
 * ``cancelling``: its frontend asked to cancel; still busy until the worker's
@@ -27,6 +29,7 @@ from protocol.prefix import MAX_BLOCKS
 from protocol.prompt_cache import PromptCacheStatus
 
 LOADING = "loading"
+FAILED = "failed"
 IDLE = "idle"
 BUSY = "busy"
 CANCELLING = "cancelling"
@@ -54,6 +57,9 @@ class WorkerSlot:
     idle_since: float = 0.0
     #: Said goodbye (SIGTERM): gets no new job, leaves when its job ends.
     draining: bool = False
+    #: How the worker's last run died, while it loads again or is held
+    #: (``messages.Loading.failure``); "" once it is ready.
+    failure: str = ""
     #: Prefix fingerprints of every state the worker can start a prompt
     #: from (its live KV sequence and its prompt-state cache), from its last
     #: CACHE_REPORT plus the prompt of any job given to it since. Fingerprint
@@ -165,6 +171,8 @@ class Ledger:
                               state=LOADING)
             self.workers[identity] = slot
         slot.last_seen = now
+        slot.failure = info.failure
+        slot.state = FAILED if info.held else LOADING
         return slot
 
     def remove_worker(self, identity: bytes) -> Job | None:
@@ -317,7 +325,8 @@ class Ledger:
 
     def live_slots(self) -> int:
         """Slots that are registered and loaded (what "whole" is measured against)."""
-        return sum(1 for w in self.workers.values() if w.state != LOADING)
+        return sum(1 for w in self.workers.values()
+                   if w.state not in (LOADING, FAILED))
 
     def busy_slots(self) -> int:
         return sum(1 for w in self.workers.values() if w.state in (BUSY, CANCELLING))
@@ -400,6 +409,8 @@ class Ledger:
                 progress=w.progress,
                 prompt_cache=w.prompt_cache,
                 gpu=w.info.gpu,
+                failure=w.failure,
+                repack=w.info.repack,
             )
             for w in sorted(self.workers.values(), key=lambda w: w.slot_id)
         ]

@@ -224,6 +224,15 @@ class Engine(Protocol):
     n_ctx: int
     #: Where the model's layers are (``/slots``).
     gpu: GpuPlacement
+    #: Whether llama.cpp repacked the weights, and why (``/slots``; "" for
+    #: an engine without weights).
+    repack: str
+
+    def warm_up(self) -> None:
+        """Compute once before READY, with the settings jobs will use (a
+        short prompt batch and a few decode steps), then forget it. Raises
+        if the engine cannot compute; a native crash happens here instead
+        of in a client's job."""
 
     def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
         """Generate for one request. Raises ``RequestRejected`` up front.

@@ -21,6 +21,7 @@ def load_engine(settings: WorkerSettings) -> Engine:
             model_name=settings.model_name or None,
         )
     from workers.model.llama_engine import LlamaEngine
+    from workers.model.weight_repack import repack_enabled
 
     return LlamaEngine(
         settings.model_path,
@@ -32,4 +33,5 @@ def load_engine(settings: WorkerSettings) -> Engine:
         cache_ram_mib=settings.cache_ram_mib,
         n_gpu_layers=settings.gpu_layers,
         flash_attn=settings.flash_attn == "on",
+        repack=repack_enabled(settings.repack),
     )

@@ -35,11 +35,17 @@ from workers.model.prompt_cache import MIB, PromptStateCache
 from workers.model.prompt_reuse import PromptReuse
 from workers.model.prompting import PromptBuilder, PromptError, ToolsUnsupported
 from workers.model.tokenizing import PromptTooLong, TokenizeCancelled
+from workers.model.weight_repack import RepackChoice
 
 log = logging.getLogger("llamapool.worker")
 
 #: llama.cpp pads the context size to a multiple of this.
 CTX_GRANULARITY = 256
+
+#: The warm-up's prompt (several tokens: a batch, not one decode) and how
+#: many tokens it samples.
+WARM_UP_TEXT = b"The quick brown fox jumps over the lazy dog."
+WARM_UP_TOKENS = 4
 
 def model_identity(model_path: str) -> str:
     """What a prompt state is tied to: the model file, by path, size and
@@ -63,6 +69,27 @@ def gpu_placement(llama: llama_cpp.Llama) -> GpuPlacement:
     return GpuPlacement(layers_requested=requested, layers_offloaded=offloaded,
                         devices=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
 
+class EngineLlama(LogitBiasLlama):
+    """The engine's ``Llama``: also takes ``use_extra_bufts`` (weight
+    repacking, ``workers.model.weight_repack``), which llama-cpp-python's
+    constructor has no argument for. It builds ``model_params`` and loads
+    the model in one call, so the field is set as the params are assigned,
+    before the load reads them."""
+
+    def __init__(self, *args, use_extra_bufts: bool = True, **kwargs) -> None:
+        self._use_extra_bufts = use_extra_bufts
+        super().__init__(*args, **kwargs)
+
+    @property
+    def model_params(self):
+        return self._model_params
+
+    @model_params.setter
+    def model_params(self, params) -> None:
+        params.use_extra_bufts = self._use_extra_bufts
+        self._model_params = params
+
+
 class LlamaEngine:
     """Serves one request at a time from one ``llama_cpp.Llama``."""
 
@@ -81,14 +108,16 @@ class LlamaEngine:
         cache_ram_mib: int = 0,
         n_gpu_layers: int = 0,
         flash_attn: bool = False,
+        repack: RepackChoice = RepackChoice(True, "default"),
     ) -> None:
         # llama.cpp rounds the context up to a multiple of 256, but Llama sizes
         # its token record (input_ids) to the number passed in: past that
         # record the Python side drops tokens or raises after a successful
         # decode. Asking for the rounded size keeps the two equal.
         n_ctx = -(-n_ctx // CTX_GRANULARITY) * CTX_GRANULARITY
-        self.llama = LogitBiasLlama(
+        self.llama = EngineLlama(
             model_path=model_path,
+            use_extra_bufts=repack.enabled,
             n_ctx=n_ctx,
             n_threads=n_threads,
             n_threads_batch=n_threads,
@@ -98,6 +127,8 @@ class LlamaEngine:
             verbose=False,
         )
         self.gpu = gpu_placement(self.llama)
+        #: Shown in ``/slots``: whether weights were repacked, and why.
+        self.repack = repack.shown
         self.n_ctx = min(self.llama.n_ctx(), len(self.llama.input_ids))
         #: Threads the context decodes with now (prompt and tokens alike).
         self.n_threads = self.llama.n_threads
@@ -269,6 +300,23 @@ class LlamaEngine:
             tail_logprobs=tail_logprobs,
             stopping_word=output.stopper.matched,
         )
+
+    def warm_up(self) -> None:
+        """Prove the model computes before the worker says READY, as
+        llama-server does before it listens: a short prompt batch, then
+        ``WARM_UP_TOKENS`` sampled tokens (each but the first one decode
+        step), on this context with its threads, flash attention and
+        weight layout. A broken kernel crashes or raises here, never in a
+        client's job. The KV cache is emptied after, so the first job
+        starts cold as if nothing had run."""
+        prompt = self.llama.tokenize(WARM_UP_TEXT, add_bos=True, special=False)
+        tokens = self.llama.generate(prompt, reset=True, temp=0.0)
+        try:
+            for _ in zip(range(WARM_UP_TOKENS), tokens):
+                pass
+        finally:
+            tokens.close()
+        self.reuse.clear_live()
 
     def _follow_thread_budget(self, sink: JobSink) -> None:
         """Between decodes: switch to the thread count the job should use

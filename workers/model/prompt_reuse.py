@@ -157,6 +157,10 @@ class PromptReuse:
         self.llama.n_tokens = n
         return True
 
+    def clear_live(self) -> None:
+        """Empty the live sequence without saving it (after a warm-up)."""
+        self._clear()
+
     def _clear(self) -> None:
         mem = llama_cpp.llama_get_memory(self.llama._ctx.ctx)
         if mem is not None:

@@ -29,6 +29,10 @@ worker process does. Every default is documented here:
 | LLAMAPOOL_CACHE_RAM            | 2048        | saved prompt states, MiB (0: off) |
 | LLAMAPOOL_GPU_LAYERS           | 0           | layers on a GPU (-1: all)         |
 | LLAMAPOOL_FLASH_ATTN           | off         | flash attention: on or off        |
+| LLAMAPOOL_REPACK               | auto        | weight repacking: auto, on or off |
+| LLAMAPOOL_PHASE_FILE           | (none)      | phase file, read after a crash    |
+| LLAMAPOOL_LAST_FAILURE         | (none)      | last run's death, from supervisor |
+| LLAMAPOOL_HELD                 | off         | held crash loop: load nothing     |
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import os
 from protocol import defaults, limits, timing
 from protocol.broker_list import split_endpoints
 from protocol.settings import ConfigError, setting
+from workers.model.weight_repack import REPACK_CHOICES
 
 #: Engines a worker can run (``--engine``); llama.cpp is the only real one.
 ENGINES = ("llama.cpp", "synthetic")
@@ -124,6 +129,26 @@ class WorkerSettings:
     #: it), which the prompt cache promises. So ``off`` unless asked.
     flash_attn: str = setting(
         "off", "LLAMAPOOL_FLASH_ATTN", "flash attention: on or off")
+    #: llama.cpp's weight repacking (llama-server's ``--no-repack``): auto
+    #: turns it off on a CPU with AMX, whose kernel crashes at the vendored
+    #: llama.cpp, and keeps it on elsewhere (``workers.model.weight_repack``).
+    repack: str = setting(
+        "auto", "LLAMAPOOL_REPACK", "weight repacking: auto, on or off")
+    #: ``protocol.worker_phase``: one line, rewritten at each phase
+    #: (loading, warm-up, idle, job <id>), read by ``llamapool up`` or the
+    #: systemd unit's ``ExecStopPost`` after a native crash.
+    phase_file: str = setting(
+        "", "LLAMAPOOL_PHASE_FILE", "phase file, read after a crash",
+        shown="(none)")
+    #: Set by the supervisor on a restart after a crash; told to the broker
+    #: while loading, so ``/health`` and ``/slots`` say why it restarts.
+    last_failure: str = setting(
+        "", "LLAMAPOOL_LAST_FAILURE", "last run's death, from supervisor",
+        shown="(none)")
+    #: Set by ``llamapool up`` for a worker it stopped restarting: the
+    #: process registers as failed, with ``last_failure``, and loads nothing.
+    held: bool = setting(
+        False, "LLAMAPOOL_HELD", "held crash loop: load nothing", shown="off")
 
     def __post_init__(self) -> None:
         split_endpoints(self.broker_endpoint)  # ConfigError if empty or repeated
@@ -136,6 +161,9 @@ class WorkerSettings:
         if not 0 <= self.pool_cores <= limits.MAX_THREADS:
             raise ConfigError(f"LLAMAPOOL_POOL_CORES={self.pool_cores}: from 1 "
                               f"to {limits.MAX_THREADS} (0: the usable CPUs)")
+        if self.repack not in REPACK_CHOICES:
+            raise ConfigError(f"LLAMAPOOL_REPACK={self.repack!r}: "
+                              f"{', '.join(REPACK_CHOICES)}")
         if self.flash_attn not in ("on", "off"):
             raise ConfigError(f"LLAMAPOOL_FLASH_ATTN={self.flash_attn!r}: on or off")
         if self.cache_ram_mib < 0:
@@ -151,6 +179,9 @@ class WorkerSettings:
             if len(value) > limits.MAX_NAME_CHARS:
                 raise ConfigError(f"{var} is {len(value)} characters; at most "
                                   f"{limits.MAX_NAME_CHARS}")
+        # Cut, not refused: it is a supervisor's report, not a user's input.
+        object.__setattr__(self, "last_failure",
+                           self.last_failure[:limits.MAX_REASON_CHARS])
 
     @property
     def auto_threads(self) -> bool:

@@ -66,6 +66,10 @@ class SyntheticEngine:
         self.n_ctx = n_ctx
         self.model_name = model_name or "synthetic"
         self.gpu = GpuPlacement()  # no model, no layers
+        self.repack = ""
+
+    def warm_up(self) -> None:
+        """Nothing to prove: there is no model and no native code."""
 
     def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
         # No model, no logits: refuse what needs them rather than ignore it.

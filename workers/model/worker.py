@@ -31,14 +31,16 @@ from collections.abc import Callable
 
 import zmq
 
-from protocol import messages
+from protocol import messages, worker_phase
 from protocol.broker_list import split_endpoints
 from protocol.curve import client_keys
 from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from protocol.link import BrokerConnection, LinkHandler
 from protocol.payloads import JobProgress
+from workers.model import crash_on_demand
 from workers.model.broker_choice import BrokerChoice
+from workers.model.crash_on_demand import crash_if_asked
 from workers.model.engine import Engine, RequestRejected
 from workers.model.settings import WorkerSettings
 
@@ -273,6 +275,8 @@ class ModelWorker(LinkHandler):
         self._jobs: queue.Queue[ActiveJob] = queue.Queue()
         self.jobs_done = 0
         self._sd = notifier or SilentNotifier()
+        #: What this process is doing, for whoever sees it crash.
+        self._phase = worker_phase.PhaseFile(settings.phase_file)
         self.tokens_generated = 0
         self.busy = False
         #: With several brokers, the one we are registered with (one at a
@@ -327,12 +331,15 @@ class ModelWorker(LinkHandler):
         self._stop = stop
         self._link.start()
         try:
-            try:
-                self.engine = self._load_engine()
-            except Exception as exc:
-                raise EngineLoadError(str(exc)) from exc
-            log.info("model loaded: %s (n_ctx=%d)", self.engine.model_name,
-                     self.engine.n_ctx)
+            if self.settings.held:
+                # A crash loop its supervisor stopped: LOADING heartbeats
+                # with the failure are all this process does.
+                log.error("worker %s held: %s; not loading the model",
+                          self.name, self.settings.last_failure)
+                stop.wait(None)
+                return
+            self.engine = self._load_and_warm_up()
+            self._phase.set(worker_phase.IDLE)
             while not stop.is_set():
                 try:
                     job = self._jobs.get(timeout=0.2)
@@ -353,11 +360,39 @@ class ModelWorker(LinkHandler):
         finally:
             stop.set()  # also on a failed load: the link thread says goodbye
             self._link.join(timeout_s=self.settings.heartbeat_interval_s * 3)
+            self._phase.close()
             log.info("worker %s stopped after %d jobs", self.name, self.jobs_done)
+
+    def _load_and_warm_up(self) -> Engine:
+        """The engine, loaded and proven to compute (READY only after).
+
+        Raises:
+            EngineLoadError: the model did not load, or the warm-up failed
+                (the worker exits with the load-failure code, and no job
+                ever reached it).
+        """
+        self._phase.set(worker_phase.LOADING)
+        try:
+            engine = self._load_engine()
+        except Exception as exc:
+            raise EngineLoadError(str(exc)) from exc
+        log.info("model loaded: %s (n_ctx=%d%s)", engine.model_name, engine.n_ctx,
+                 f", weight repacking {engine.repack}" if engine.repack else "")
+        self._phase.set(worker_phase.WARM_UP)
+        started = time.monotonic()
+        try:
+            crash_if_asked(crash_on_demand.WARM_UP)
+            engine.warm_up()
+        except Exception as exc:
+            raise EngineLoadError(f"the warm-up failed: {exc}") from exc
+        log.info("warm-up done in %.0f ms", (time.monotonic() - started) * 1000)
+        return engine
 
     def _run_job(self, job: ActiveJob) -> None:
         self.busy = True
+        self._phase.set(worker_phase.job_phase(job.job_id))
         try:
+            crash_if_asked(crash_on_demand.JOB)
             if job.ended_by_shutdown:
                 raise RequestRejected(
                     ErrorCode.WORKER_SHUTDOWN, "the worker is shutting down"
@@ -393,6 +428,7 @@ class ModelWorker(LinkHandler):
         # and may route the next job at once, by what this report says.
         self._send_cache_report()
         self._link.send(msg)
+        self._phase.set(worker_phase.IDLE)
 
     def _use_idle_time(self) -> None:
         """Between jobs, none waiting: let the engine do what the next job
@@ -439,6 +475,7 @@ class ModelWorker(LinkHandler):
             pool_cores=(self.settings.host_pool_cores
                         if self.settings.auto_threads else 0),
             gpu=self.engine.gpu,
+            repack=self.engine.repack,
         )
 
     def on_tick(self, now: float) -> None:
@@ -467,7 +504,9 @@ class ModelWorker(LinkHandler):
         self._sd.watchdog(now)
         if self.engine is None:
             return messages.Loading(self.name, self.settings.label, os.getpid(),
-                                    socket.gethostname())
+                                    socket.gethostname(),
+                                    failure=self.settings.last_failure,
+                                    held=self.settings.held)
         job = self._job
         return messages.Heartbeat(job.progress() if job is not None else None)
 
