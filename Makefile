@@ -26,7 +26,7 @@ serve: $(STAMP_SERVE)
 	$(VENV)/bin/llamapool up
 
 test: $(STAMP_TEST)
-	$(PY) -m pytest tests
+	$(PY) -m pytest --durations=25 tests
 
 # The fault-injection suite alone (also part of `make test`); prints a table.
 faults: $(STAMP_TEST)
@@ -40,7 +40,8 @@ faults: $(STAMP_TEST)
 	bench-retry-after bench-output-controls bench-limits bench-web-page \
 	bench-thread-stepdown llama-server bench-cpu-per-token \
 	bench-llama-details bench-embeddings bench-conversations bench-prompt-state \
-	bench-ttft-hops bench-rounds bench-ab bench-handoff bench-native-bias
+	bench-ttft-hops bench-rounds bench-ab bench-handoff bench-native-bias \
+	bench-repack
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -72,6 +73,10 @@ bench-rounds: llama-server
 # make bench-ab BENCH_ARGS="--before /path/to/other/checkout"
 bench-ab: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_ab $(BENCH_ARGS)
+
+# Weight repacking on against off (--repack), in process, on this CPU.
+bench-repack: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_repack $(BENCH_ARGS)
 
 bench-cpu-per-token: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_cpu_per_token $(BENCH_ARGS)

@@ -34,6 +34,7 @@ class LoadedEngine:
     n_ctx = 64
     name = "synthetic"
     gpu = GpuPlacement()
+    repack = ""
 
 
 def make_worker(endpoints: str) -> tuple[ModelWorker, list[tuple[str, object]]]:
