@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from frontend.web_page import PAGE_FILES, WEB_DIR
-from tests.pool import Pool, wait_until
+from tests.pool import TEST_HEARTBEAT, Pool, Proc, cli, wait_until
 from tests.system_tools import require_tool
 
 pytestmark = pytest.mark.stack
@@ -527,3 +527,37 @@ def test_markdown_structure(page):
     assert "foo_bar_baz" in found["text"]
     assert found["href"] == "https://example.com/x" and "noopener" in found["rel"]
     assert found["code"] == "x = 1"
+
+
+def test_pool_view_shows_a_failing_worker_and_why(page, web_pool):
+    """Issue 27: a worker its supervisor holds after a crash loop (the
+    stand-in ``llamapool up`` starts, ``LLAMAPOOL_HELD``) is listed as
+    failed, with the failure, in the error colour."""
+    from selenium.webdriver.common.by import By
+
+    failure = "worker-9 held after 5 crashes in a row; last: killed by SIGSEGV"
+    held = Proc("held-worker", cli(
+        "worker", "--broker", web_pool.workers_ep, "--model",
+        str(web_pool.model_path), *TEST_HEARTBEAT), web_pool.run_dir,
+        env={**os.environ, "LLAMAPOOL_HELD": "1", "LLAMAPOOL_LAST_FAILURE": failure})
+    try:
+        d = page
+        with_key(d, web_pool)
+        d.find_element(By.ID, "tab-pool").click()
+        wait_for(d, "document.querySelectorAll("
+                    "'#slots tbody tr[data-state=failed]').length === 1")
+        cell = d.find_element(By.CSS_SELECTOR,
+                              "#slots tbody tr[data-state=failed] td.state")
+        assert cell.text == f"failed: {failure}"
+        assert "failing" in cell.get_attribute("class").split()
+        # Red: the page's --error colour, not the text's.
+        assert cell.value_of_css_property("color") != d.find_element(
+            By.CSS_SELECTOR, "#slots tbody tr[data-state=idle] td.state"
+        ).value_of_css_property("color")
+        # /health (200: the two real workers serve) lists it too.
+        assert httpx.get(web_pool.url + "/health").json()["failing"][0][
+            "failure"] == failure
+    finally:
+        held.stop()
+    wait_for(page, "document.querySelectorAll("
+                   "'#slots tbody tr[data-state=failed]').length === 0")
