@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP_SERVE := $(VENV)/.installed-serve
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: serve test faults venv clean
+.PHONY: serve test test-unit faults venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ serve: $(STAMP_SERVE)
 
 test: $(STAMP_TEST)
 	$(PY) -m pytest --durations=25 tests
+
+# The fast tier: every test that starts no process (no pool, no CLI command;
+# tests/conftest.py fails one that does without @pytest.mark.stack): under a
+# minute here. `make test` is still the whole suite, and what CI runs.
+test-unit: $(STAMP_TEST)
+	$(PY) -m pytest -m "not stack" --durations=10 tests
 
 # The fault-injection suite alone (also part of `make test`); prints a table.
 faults: $(STAMP_TEST)

@@ -9,6 +9,9 @@ import pytest
 
 from tests.pool import Pool
 
+#: ``subprocess.Popen`` itself, for the guard below to call.
+_POPEN = subprocess.Popen
+
 
 #: The layers' weight type of the tests' model: a block quant, so the real-
 #: path tests take llama.cpp's quantized kernels as users' models do (Q4_0:
@@ -43,3 +46,20 @@ def whole_pool(pool):
     """The shared pool, checked whole (free slots == live workers) after the test."""
     yield pool
     pool.assert_whole()
+
+
+@pytest.fixture(autouse=True)
+def processes_need_the_stack_mark(request, monkeypatch):
+    """A test that starts a process (a pool, a CLI command) must say so with
+    ``@pytest.mark.stack``: ``make test-unit`` runs the others alone, and
+    must stay fast and free of processes. Session fixtures (the tiny model,
+    written by the real CLI) are made before this guard applies."""
+    if request.node.get_closest_marker("stack") is not None:
+        return
+
+    class UnmarkedPopen(_POPEN):
+        def __init__(self, args, *rest, **kwargs):
+            pytest.fail(f"{request.node.nodeid} starts a process ({args!r}) "
+                        "without @pytest.mark.stack", pytrace=False)
+
+    monkeypatch.setattr(subprocess, "Popen", UnmarkedPopen)

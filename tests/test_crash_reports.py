@@ -72,6 +72,7 @@ def run_exit_report(env: dict[str, str], *args: str) -> subprocess.CompletedProc
         env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.stack
 def test_exit_report_logs_what_systemd_saw(tmp_path):
     phase = tmp_path / "phase"
     PhaseFile(str(phase)).set(job_phase("ab12"))

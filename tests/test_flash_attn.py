@@ -21,6 +21,7 @@ def cmdline(pid: int) -> list[str]:
         return [part.decode() for part in f.read().split(b"\0") if part]
 
 
+@pytest.mark.stack
 def test_up_hands_the_setting_to_every_worker(tiny_model, tmp_path):
     port = free_port()
     up = Proc("up", cli("up", "--model", str(tiny_model), "--workers", "2",
@@ -36,6 +37,7 @@ def test_up_hands_the_setting_to_every_worker(tiny_model, tmp_path):
         up.stop()
 
 
+@pytest.mark.stack
 def test_a_worker_refuses_anything_but_on_or_off(tiny_model, tmp_path):
     bad = Proc("bad", cli("worker", "--broker", "tcp://127.0.0.1:1", "--model",
                           str(tiny_model)), tmp_path,

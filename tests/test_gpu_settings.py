@@ -25,6 +25,7 @@ def environ(pid: int) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in pairs}
 
 
+@pytest.mark.stack
 def test_up_gives_each_worker_a_gpu_and_the_layer_count(tiny_model, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -52,6 +53,7 @@ def test_up_gives_each_worker_a_gpu_and_the_layer_count(tiny_model, tmp_path):
         up.stop()
 
 
+@pytest.mark.stack
 def test_default_is_cpu_and_bad_values_are_refused(tiny_model, tmp_path):
     bad = Proc("bad", cli("worker", "--broker", "tcp://127.0.0.1:1", "--model",
                           str(tiny_model), "--gpu-layers", "-2"), tmp_path)

@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from frontend.broker_link import BrokerLink, JobStream
 from tests.pool import Proc, cli, wait_until
 
@@ -117,6 +119,7 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
 
 
+@pytest.mark.stack
 def test_an_idle_worker_stops_when_sigterm_is_handled_past_its_job_waits_deadline(
         tmp_path):
     worker = Proc("worker", cli("worker", "--broker", f"ipc://{tmp_path}/wk",

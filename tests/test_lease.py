@@ -174,6 +174,12 @@ class LeaseMachine(RuleBasedStateMachine):
 
 TestLease = LeaseMachine.TestCase
 TestLease.settings = settings(max_examples=150, stateful_step_count=25, deadline=None)
+# The rules' gc.collect() scanned every object of the whole test session each
+# time (70 ms apiece with llama-cpp-python and numpy loaded: most of the unit
+# tier's time). Frozen, what existed before the test is left out; every
+# body and lease the examples make is still collected.
+TestLease.setUpClass = classmethod(lambda cls: gc.freeze())
+TestLease.tearDownClass = classmethod(lambda cls: gc.unfreeze())
 
 
 def test_setup_failure_releases_with_cancel():

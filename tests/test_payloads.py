@@ -304,6 +304,7 @@ def submit_frames(job_id: str) -> list[bytes]:
                                                      max_tokens=110)).to_wire()
 
 
+@pytest.mark.stack
 def test_a_heartbeat_with_strings_for_numbers_is_dropped_and_the_broker_serves_on(
         tmp_path):
     """Before typed progress the broker took this heartbeat, and its next

@@ -86,6 +86,7 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})})
 
 
+@pytest.mark.stack
 def test_malformed_variable_exits_with_usage_code(tmp_path):
     done = _run("broker", "--frontends", f"ipc://{tmp_path}/f", "--workers",
                 f"ipc://{tmp_path}/w", env={"LLAMAPOOL_HEARTBEAT_LIVENESS": "x"})
@@ -94,6 +95,7 @@ def test_malformed_variable_exits_with_usage_code(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("role", ["broker", "worker"])
 def test_a_metrics_port_in_use_exits_with_the_bind_code(role, tmp_path):
     """Once a CI flake: a worker whose --metrics-port was taken died with a
@@ -112,6 +114,7 @@ def test_a_metrics_port_in_use_exits_with_the_bind_code(role, tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.stack
 def test_worker_without_model_exits_with_usage_code():
     done = _run("worker", "--broker", "tcp://127.0.0.1:1",
                 env={"LLAMAPOOL_MODEL": ""})

@@ -71,6 +71,7 @@ def worker_argv(keys_dir, broker_keys_dir, workers: str, model) -> list[str]:
 # --- keys and policy ----------------------------------------------------------
 
 
+@pytest.mark.stack
 def test_keygen_modes_and_idempotence(tmp_path):
     out = keygen(tmp_path / "k")
     for name in ("broker", "worker", "frontend"):
@@ -130,6 +131,7 @@ def test_watching_a_new_connection_never_collides_with_an_old_monitor(keys):
         ctx.term()
 
 
+@pytest.mark.stack
 def test_plaintext_on_a_network_address_is_refused(tmp_path, keys):
     exposed = f"tcp://0.0.0.0:{free_port()}"
     refused = subprocess.run(

@@ -325,6 +325,7 @@ def mode(path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
+@pytest.mark.stack
 def test_keygen_leaves_an_existing_directory_mode_alone(tmp_path):
     private = tmp_path / "private"
     private.mkdir()
@@ -351,6 +352,7 @@ def test_keygen_leaves_an_existing_directory_mode_alone(tmp_path):
         assert mode(out / "authorized" / "workers" / "worker.key") == 0o644
 
 
+@pytest.mark.stack
 def test_keygen_upgrades_an_old_layout(tmp_path):
     """An old flat authorized/ gets role directories and a note about the old keys."""
     out = tmp_path / "k"
@@ -366,6 +368,7 @@ def test_keygen_upgrades_an_old_layout(tmp_path):
 # --- the old single directory, and one directory for both roles ------------------
 
 
+@pytest.mark.stack
 def test_old_single_directory_is_refused_with_directions(tmp_path, role_keys):
     base = ["broker", "--frontends", f"ipc://{tmp_path}/f", "--workers",
             f"ipc://{tmp_path}/w",

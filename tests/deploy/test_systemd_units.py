@@ -102,6 +102,7 @@ def analyze(unit_path: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("unit", [*SERVICES, "llamapool.target"])
 def test_systemd_analyze_verify(unit_path, unit):
     result = analyze(unit_path, "verify", unit)
@@ -109,6 +110,7 @@ def test_systemd_analyze_verify(unit_path, unit):
     assert result.returncode == 0 and not ours, result.stderr
 
 
+@pytest.mark.stack
 def test_verify_does_check_the_binary(tmp_path):
     """Without the path rewrite verify fails: the check above is not vacuous."""
     shutil.copy(UNIT_DIR / "llamapool-broker.service", tmp_path)
@@ -118,6 +120,7 @@ def test_verify_does_check_the_binary(tmp_path):
     assert result.returncode != 0 and "not executable" in result.stderr
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("unit", list(SERVICES))
 def test_hardening_exposure_is_low(unit_path, unit):
     # systemd's scale is 0-100 here (1.5 printed as "1.5 OK"); 2.0 and below
