@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -306,8 +307,18 @@ class BrokerConnection:
                 if self._stopping:
                     self._forward_outbox()
                     break
-                wait_s = max(0.0, min(interval_s, next_beat - time.monotonic()))
-                ready = dict(poller.poll(wait_s * 1000))
+                # Wake at the silence deadline, not only at the next beat:
+                # checked at beats alone, a broker that fell silent just after
+                # one was taken for gone up to one interval late, and its
+                # streams' clients heard of it window + interval after.
+                now = time.monotonic()
+                window_s = (base_window_s if self.last_heard >= self._connected_at
+                            else unheard_window_s)
+                lost_at = max(self.last_heard, self._connected_at) + window_s
+                wait_s = max(0.0, min(interval_s, next_beat - now, lost_at - now))
+                # Rounded up: libzmq's timeout is whole milliseconds, and a
+                # wake-up just short of the deadline would spin until it.
+                ready = dict(poller.poll(math.ceil(wait_s * 1000)))
                 if wakeup_fd in ready:
                     self._forward_outbox()
                 if sock in ready:

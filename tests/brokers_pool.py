@@ -1,10 +1,11 @@
 """Two brokers sharing one pool, as real processes (tests and bench-brokers).
 
-Broker ``i`` binds ``ipc://<run_dir>/frontends<i>`` and ``.../workers<i>``;
-every worker is given every broker's workers endpoint, the frontend every
-broker's frontends endpoint (``--broker`` repeated). Worker names are chosen
-so that ``BrokerChoice`` starts worker ``j`` on broker ``j % n``: the test
-knows where each one is before any fault.
+Broker ``i`` binds ``ipc://<run_dir>/frontends<i>`` and ``.../workers<i>``
+(with ``transport="tcp"``, two loopback TCP ports instead); every worker is
+given every broker's workers endpoint, the frontend every broker's frontends
+endpoint (``--broker`` repeated). Worker names are chosen so that
+``BrokerChoice`` starts worker ``j`` on broker ``j % n``: the test knows
+where each one is before any fault.
 """
 
 from __future__ import annotations
@@ -31,11 +32,20 @@ class BrokersPool:
     def __init__(self, run_dir: Path, *, n_brokers: int = 2, n_workers: int = 2,
                  worker_args: tuple[str, ...] = (), heartbeat=TEST_HEARTBEAT,
                  frontend_processes: int = 2, wait_ready: bool = True,
-                 frontend_args: tuple[str, ...] = ()) -> None:
+                 frontend_args: tuple[str, ...] = (),
+                 transport: str = "ipc") -> None:
         self.run_dir = run_dir
         self.heartbeat = list(heartbeat)
-        self.frontends_eps = [f"ipc://{run_dir}/frontends{i}" for i in range(n_brokers)]
-        self.workers_eps = [f"ipc://{run_dir}/workers{i}" for i in range(n_brokers)]
+        if transport == "tcp":
+            # As deployed: a dead broker's peers see its TCP connections end
+            # and redial a refused port, not a socket file.
+            def endpoint(_: str) -> str:
+                return f"tcp://127.0.0.1:{free_port()}"
+        else:
+            def endpoint(name: str) -> str:
+                return f"ipc://{run_dir}/{name}"
+        self.frontends_eps = [endpoint(f"frontends{i}") for i in range(n_brokers)]
+        self.workers_eps = [endpoint(f"workers{i}") for i in range(n_brokers)]
         self.brokers: list[Proc] = [self._start_broker(i) for i in range(n_brokers)]
         self.probes = [BrokerProbe(ep) for ep in self.frontends_eps]
         self.workers: list[Proc] = []

@@ -189,6 +189,23 @@ def test_silence_means_a_new_connection_that_registers_again(broker, start_link)
     assert not link.alive()  # never heard from at all
 
 
+def test_a_broker_gone_quiet_is_lost_one_window_after_its_last_frame(
+        broker, start_link):
+    """Silence is timed from the broker's last frame, not looked at only when
+    the link heartbeats: a broker that answers each beat at once and then
+    stops is taken for gone one window after that answer. Checked at beats
+    alone it took window + interval, the worst phase there is (issue 27)."""
+    interval_s, liveness = 0.5, 2  # a window of 1 s
+    window_s = interval_s * liveness
+    handler = Recorder()
+    start_link(handler, interval_s=interval_s, liveness=liveness)
+    for _ in range(3):
+        identity, _beat = broker.recv_except(messages.Hello)
+        broker.send(identity, messages.Heartbeat())
+    wait_until(lambda: handler.losses, DEADLINE_S, "the broker taken for gone")
+    assert window_s < handler.losses[0] < window_s + interval_s / 2, handler.losses
+
+
 class Buggy(Recorder):
     """Every callback but on_message and heartbeat raises."""
 
