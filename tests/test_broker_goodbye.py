@@ -32,7 +32,7 @@ def test_a_goodbye_queued_behind_a_closed_connection_is_not_a_death(tmp_path):
                                    workers_endpoint=f"ipc://{tmp_path}/wk"),
                     ctx=ctx)
     broker.bind()
-    closed = broker._worker_sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    closed = broker.sockets.workers.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     worker = ctx.socket(zmq.DEALER)
     worker.connect(f"ipc://{tmp_path}/wk")
     try:
@@ -50,11 +50,11 @@ def test_a_goodbye_queued_behind_a_closed_connection_is_not_a_death(tmp_path):
         # Any operation on the broker's socket (its poll, its EVENTS check
         # between receives) takes note of the closed pipe; the goodbye is
         # still unread behind it.
-        assert broker._worker_sock.get(zmq.EVENTS) & zmq.POLLIN
+        assert broker.sockets.workers.get(zmq.EVENTS) & zmq.POLLIN
         broker._heartbeat_and_expire(time.monotonic())
 
         assert not broker.ledger.workers
-        assert broker.counters["worker_deaths"] == 0
+        assert broker.counters.worker_deaths == 0
     finally:
         closed.close(0)
         broker.close()

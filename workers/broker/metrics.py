@@ -17,6 +17,7 @@ from prometheus_client.core import (
 )
 
 from protocol.payloads import PoolStatus
+from workers.broker.counters import BrokerCounters
 
 
 class PoolCollector:
@@ -28,7 +29,7 @@ class PoolCollector:
     def collect(self):
         snap = self.snapshot
         stats = snap.stats
-        counters = snap.counters
+        counters = BrokerCounters.from_dict(snap.counters)
 
         def counter(name, doc, value):
             return CounterMetricFamily(name, doc, value=value)
@@ -70,45 +71,45 @@ class PoolCollector:
                       stats.request_cancelled_total)
         yield counter("llamapool_broker_no_slot_total",
                       "SUBMITs the broker refused for lack of a slot",
-                      counters.get("no_slot", 0))
+                      counters.no_slot)
         yield counter("llamapool_worker_deaths_total", "Workers the broker lost",
-                      counters.get("worker_deaths", 0))
+                      counters.worker_deaths)
         yield counter("llamapool_worker_restarts_total",
                       "Workers that registered on a host after one died there",
-                      counters.get("worker_restarts", 0))
+                      counters.worker_restarts)
         yield counter("llamapool_broker_malformed_frames_dropped_total",
                       "Malformed ZeroMQ messages the broker dropped",
-                      counters.get("malformed_dropped", 0))
+                      counters.malformed_dropped)
         yield counter("llamapool_broker_workers_refused_total",
                       "Worker registrations refused: the pool was full "
                       "(--max-workers)",
-                      counters.get("worker_refused_full", 0))
+                      counters.worker_refused_full)
         yield counter("llamapool_broker_workers_unresponsive_total",
                       "Workers dropped for showing no sign of a job in time "
                       "(--first-frame-timeout-s); each job got an error",
-                      counters.get("worker_unresponsive", 0))
+                      counters.worker_unresponsive)
         yield counter("llamapool_broker_frontends_send_full_total",
                       "Frontends dropped because they did not read what the "
                       "broker sent (their send queue was full)",
-                      counters.get("frontend_send_full", 0))
+                      counters.frontend_send_full)
         yield counter("llamapool_broker_unknown_peer_total",
                       "Messages from unregistered peers, answered with DISCONNECT",
-                      counters.get("unknown_peer", 0))
+                      counters.unknown_peer)
         yield counter("llamapool_broker_curve_refused_total",
                       "Peers refused at the CURVE handshake (key not authorized)",
-                      counters.get("curve_refused", 0))
+                      counters.curve_refused)
         yield counter("llamapool_broker_curve_revoked_peers_total",
                       "Open connections dropped because their CURVE key was "
                       "revoked after the handshake",
-                      counters.get("curve_revoked_peers", 0))
+                      counters.curve_revoked_peers)
         yield counter("llamapool_broker_submits_held_for_step_down_total",
                       "SUBMITs held until --threads auto workers on the same "
                       "host stepped down",
-                      counters.get("submits_held_for_step_down", 0))
+                      counters.submits_held_for_step_down)
         yield counter("llamapool_broker_step_down_waits_expired_total",
                       "Held SUBMITs sent before every step-down was confirmed "
                       "(a worker was inside a long prompt batch)",
-                      counters.get("step_down_waits_expired", 0))
+                      counters.step_down_waits_expired)
         release = stats.cancel_release_s
         buckets = [(str(b), c) for b, c in zip(release.buckets, release.cumulative)]
         buckets.append(("+Inf", release.cumulative[-1]))

@@ -26,6 +26,13 @@ a held job's slot is never offered twice, and the 503 rule is untouched.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+from protocol import messages
+from workers.broker.thread_budget import budgets
+
+if TYPE_CHECKING:
+    from workers.broker.broker import Broker
 
 
 @dataclasses.dataclass
@@ -88,3 +95,88 @@ class HeldSubmits:
                     del self._held[h.job_id]
                     out.append(h)
         return out
+
+
+class ThreadStepDown:
+    """The broker's ``--threads auto`` policy: each busy worker's share of
+    its host's cores (``workers.broker.thread_budget``), told with THREADS
+    whenever it changes, and a new job's SUBMIT held until the running
+    workers it displaces have stepped down (this module's docstring)."""
+
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+        self._held = HeldSubmits()
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def next_deadline(self) -> float | None:
+        return self._held.next_deadline()
+
+    def on_assign(self, job_id: str, worker: bytes, frames: list[bytes],
+                  now: float) -> bool:
+        """Before a job's SUBMIT goes to ``worker``: the new worker learns its
+        own share first, and the host's running workers step down. True if
+        the SUBMIT is held for them (it goes when they have)."""
+        stepping_down = self.retune()
+        stepping_down.pop(worker, None)
+        wait_s = self._broker.settings.step_down_wait_s
+        if not stepping_down or wait_s <= 0:
+            return False
+        self._broker.counters.submits_held_for_step_down += 1
+        self._held.hold(job_id, worker, frames, stepping_down, now + wait_s)
+        return True
+
+    def on_due(self, now: float) -> None:
+        held = self._held.due(now)
+        self._broker.counters.step_down_waits_expired += len(held)
+        self._send(held)
+
+    def stepped_down(self, worker: bytes, n_threads: int) -> None:
+        self._send(self._held.stepped_down(worker, n_threads))
+
+    def release(self, job_id: str) -> None:
+        """Send a held SUBMIT now: its job is cancelled, and the worker must
+        have it before the CANCEL."""
+        self._send([self._held.release(job_id)])
+
+    def on_finish(self, worker: bytes) -> None:
+        self._send(self._held.worker_idle(worker))
+        self.retune()  # the host's other busy workers step up
+
+    def on_worker_gone(self, worker: bytes) -> None:
+        self._send(self._held.worker_idle(worker))
+
+    def on_beat(self, now: float) -> None:
+        # Also catches busy workers that died or left since the last change.
+        self.retune()
+
+    def retune(self) -> dict[bytes, int]:
+        """Send THREADS to each busy ``--threads auto`` worker whose share
+        changed. Returns the workers told to use fewer threads than before,
+        with the count each was told."""
+        b = self._broker
+        stepping_down: dict[bytes, int] = {}
+        for ident, n_threads in budgets(b.ledger.workers.values()).items():
+            slot = b.ledger.workers[ident]
+            # Never told: the worker loaded with all its host's pool cores.
+            current = slot.threads_told or slot.info.pool_cores
+            if current != n_threads:
+                slot.threads_told = n_threads
+                b.to_worker(ident, messages.Threads(n_threads))
+                if n_threads < current:
+                    stepping_down[ident] = n_threads
+        return stepping_down
+
+    def _send(self, held: list[HeldSubmit | None]) -> None:
+        """Send the SUBMITs whose wait is over, if their job is still the one
+        assigned to that worker."""
+        b = self._broker
+        for h in held:
+            if h is None:
+                continue
+            job = b.ledger.jobs.get(h.job_id)
+            if job is None or job.worker != h.worker:
+                continue  # failed or ended meanwhile (its worker died)
+            if not b.to_worker(h.worker, h.frames):
+                b.worker_died(h.worker, "unreachable")

@@ -48,7 +48,7 @@ POINTS = {
                       ("BrokerConnection._receive", "in", "link.recv")],
     "workers.broker.broker": [("Broker._drain", "in", "broker.drain"),
                               ("Broker._on_submit", "in", "broker.submit.in"),
-                              ("Broker._to_worker", "in", "broker.to_worker"),
+                              ("Broker.to_worker", "in", "broker.to_worker"),
                               ("Broker._relay_token", "in", "broker.relay")],
     "workers.model.worker": [("ModelWorker.on_message", "in", "worker.msg."),
                              ("ModelWorker._run_job", "in", "worker.picked"),
