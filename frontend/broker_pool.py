@@ -1,6 +1,6 @@
 """A frontend process's links to several brokers, used like one.
 
-The pool's ledgers are sharded (README, "Several brokers"): each worker is
+The pool's ledgers are sharded (docs/operations.md, "Several brokers"): each worker is
 registered with exactly one broker, so each broker can lease only its own
 workers and a slot is never leased twice. A frontend keeps one
 ``BrokerLink`` per broker (zguide ch. 4, Freelance: the client knows every

@@ -26,7 +26,7 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "tools",
                                "functions", "function_call", "tool_choice"}
 
-#: Accepted and ignored on purpose (README, "Request fields"): they ask the
+#: Accepted and ignored on purpose (docs/api.md, "Request fields"): they ask the
 #: server to record or label a request, which it does not do, and change no
 #: output.
 IGNORED_ON_PURPOSE = frozenset({"user", "metadata", "store", "service_tier",

@@ -332,7 +332,7 @@ class PropsResource:
 def add_native_routes(app: falcon.App, link: BrokerLink, settings: FrontendSettings,
                       gate: PromptGate | None) -> None:
     """Route llama.cpp's native endpoints. ``/completions`` (plural) stays
-    OpenAI's (``frontend.app``): see the README's compatibility section."""
+    OpenAI's (``frontend.app``): see docs/llama-cpp-compatibility.md."""
     app.add_route("/completion", NativeCompletionResource(link, settings, gate))
     app.add_route("/infill", NativeCompletionResource(link, settings, gate,
                                                       infill=True))

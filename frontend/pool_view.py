@@ -1,7 +1,7 @@
 """One pool-wide ledger from several brokers' STATUS replies.
 
 With several brokers each keeps the ledger of the workers registered with it
-(README, "Several brokers"). ``/health``, ``/slots``, ``/metrics`` and
+(docs/operations.md, "Several brokers"). ``/health``, ``/slots``, ``/metrics`` and
 ``/v1/models`` must still show the whole pool, every worker once, so the
 frontend merges the replies here.
 

@@ -24,8 +24,8 @@ from typing import Any
 from frontend.settings import FrontendSettings
 from llamapool import curve_cli, sd_notify
 from llamapool.exit_codes import ExitCode
-from llamapool.test_model import QUANTS as TEST_MODEL_QUANTS
 from llamapool.signals import StopFlag, dump_stacks_on_sigusr1
+from llamapool.test_model import QUANTS as TEST_MODEL_QUANTS
 from protocol.curve import CurveKeyError, client_keys
 from protocol.settings import ConfigError, load, to_env
 from workers.broker.settings import ROUTING_POLICIES, BrokerSettings, reject_removed

@@ -1,7 +1,7 @@
 """The list of brokers a frontend or worker reaches (``--broker``, repeated or
 a comma list; ``LLAMAPOOL_BROKER`` as a comma list).
 
-Several brokers share one pool (README, "Several brokers"): every frontend
+Several brokers share one pool (docs/operations.md, "Several brokers"): every frontend
 connects to all of them, every worker to one at a time. Both read the same
 setting, so both parse it here.
 """

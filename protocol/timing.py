@@ -17,7 +17,7 @@ SUBMIT_TIMEOUT_S = 5.0
 
 #: TOKEN frames a worker may have in flight per job before it pauses.
 #: The frontend hands credit back as its HTTP client consumes frames, so a slow
-#: reader pauses generation instead of growing buffers (see README, "Flow
+#: reader pauses generation instead of growing buffers (see docs/operations.md, "Flow
 #: control").
 CREDIT_WINDOW_FRAMES = 256
 

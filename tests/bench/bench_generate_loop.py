@@ -9,7 +9,7 @@ alternating: llama-cpp-python's ``create_completion(stream=True)``, a bare
 adds incremental detokenising, stop strings and a cancel check), at several
 output lengths: ``create_completion``'s cost per token grows with the length
 of the output (it re-detokenises what it generated so far), so the ratio does
-too. Why the worker owns its loop: README, "llama-cpp-python behaviours".
+too. Why the worker owns its loop: docs/design.md, "llama-cpp-python behaviours".
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ from tests.bench import harness
 from tests.bench.bench_overhead import PROMPT as SENTENCE
 from workers.model.weight_repack import cpu_flags, cpu_has_amx
 
-
 #: About 100 tokens: a prefill is a batch, where repacked kernels differ most.
 PROMPT = " ".join([SENTENCE] * 8)
 

@@ -19,7 +19,7 @@ hops and none of its code: what it loses against the ceiling is what that
 shape costs on this machine, whatever the code; what ``llamapool up`` loses
 against the floor is ours. llama-server runs twice: as it starts by default
 (flash attention ``auto``, so on for this CPU) and with ``-fa off``, as our
-workers run by default (README, "Flash attention").
+workers run by default (docs/operations.md, "Flash attention").
 
 ``--flash-attn`` adds the pool and the ceiling with flash attention on, so
 that llama-server's default can also be compared at equal settings.

@@ -10,8 +10,8 @@ They are written as text, not through prometheus_client: the client accepts
 the colon, but renders a counter's HELP and TYPE lines with ``_total``
 appended, and llama.cpp's ``n_tokens_max`` is a counter without it.
 
-Where the pool differs from one llama-server process (README, "llama.cpp
-compatibility"):
+Where the pool differs from one llama-server process
+(docs/llama-cpp-compatibility.md):
 
 * ``prompt_tokens_seconds`` and ``predicted_tokens_seconds`` are the average
   throughput since the broker started; llama-server averages over the time

@@ -1,6 +1,6 @@
 """Which broker a worker registers with, and where it goes when that one dies.
 
-The pool's ledgers are sharded (README, "Several brokers"): a worker is in
+The pool's ledgers are sharded (docs/operations.md, "Several brokers"): a worker is in
 exactly one broker's ledger at a time, because it has exactly one DEALER,
 to one broker. That is what keeps a slot from being leased twice: no second
 broker ever hears this worker's READY while the first may still lease it.

@@ -42,6 +42,9 @@ log = logging.getLogger("llamapool.worker")
 #: llama.cpp pads the context size to a multiple of this.
 CTX_GRANULARITY = 256
 
+#: llama.cpp's own default: repacked weights (``weight_repack``).
+REPACK_DEFAULT = RepackChoice(True, "llama.cpp's default")
+
 #: The warm-up's prompt (several tokens: a batch, not one decode) and how
 #: many tokens it samples.
 WARM_UP_TEXT = b"The quick brown fox jumps over the lazy dog."
@@ -108,7 +111,7 @@ class LlamaEngine:
         cache_ram_mib: int = 0,
         n_gpu_layers: int = 0,
         flash_attn: bool = False,
-        repack: RepackChoice = RepackChoice(True, "default"),
+        repack: RepackChoice = REPACK_DEFAULT,
     ) -> None:
         # llama.cpp rounds the context up to a multiple of 256, but Llama sizes
         # its token record (input_ids) to the number passed in: past that

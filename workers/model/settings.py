@@ -115,7 +115,7 @@ class WorkerSettings:
     cache_ram_mib: int = setting(
         2048, "LLAMAPOOL_CACHE_RAM", "saved prompt states, MiB (0: off)")
     #: llama.cpp's ``n_gpu_layers``. Only a GPU build of llama-cpp-python
-    #: offloads; ``make serve`` installs the CPU build (README, "GPUs").
+    #: offloads; ``make serve`` installs the CPU build (docs/operations.md, "GPUs").
     #: Which device: ``CUDA_VISIBLE_DEVICES`` (``llamapool up --gpus``).
     gpu_layers: int = setting(
         0, "LLAMAPOOL_GPU_LAYERS", "layers on a GPU (-1: all)")

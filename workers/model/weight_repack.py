@@ -14,7 +14,7 @@ thread only and the tile configuration lives on the stack). Turning the
 extra buffers off is the only switch that avoids the AMX buffer, and it
 turns off ``CPU_REPACK`` with it, so ``auto`` does that only on a CPU that
 has AMX. Everywhere else repacking stays on: it is what makes Q4_0/Q4_K
-decoding fast on AVX2 (BENCHMARKS.md, "weight repacking").
+decoding fast on AVX2 (docs/benchmarks/20-weight-repacking.md).
 
 To drop the workaround once the vendored llama.cpp carries the fix (PR
 #26954 merged, and a llama-cpp-python release that vendors it): make
