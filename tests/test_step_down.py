@@ -6,7 +6,7 @@ from protocol import messages
 from protocol.payloads import GenerationRequest
 from workers.broker.step_down import HeldSubmits
 from workers.model.settings import WorkerSettings
-from workers.model.worker import ActiveJob
+from workers.model.worker import ActiveJob, ThreadBudget
 
 A, B, C = b"worker-a", b"worker-b", b"worker-c"
 
@@ -62,13 +62,13 @@ def test_a_running_job_confirms_each_new_budget_once():
     """The worker's side: the decode loop confirms a budget when it takes it
     in force (the broker may be holding a SUBMIT for it), once per THREADS."""
     sent: list[messages.Message] = []
-    budget = [(2, 0.0, 0)]
+    budget = [ThreadBudget(2, 0.0, 0)]
     job = ActiveJob(
         messages.Submit("j", GenerationRequest(kind="completion", prompt="x")),
         sent.append, WorkerSettings(broker_endpoint="tcp://127.0.0.1:1"),
         lambda: budget[0])
     assert job.threads_to_use(2) == 2
-    budget[0] = (1, 1.0, 1)  # THREADS 1 arrived
+    budget[0] = ThreadBudget(1, 1.0, 1)  # THREADS 1 arrived
     assert job.threads_to_use(2) == 1
     assert job.threads_to_use(1) == 1
     confirmed = [m.n_threads for m in sent if isinstance(m, messages.ThreadsSet)]

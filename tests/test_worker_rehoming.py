@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol import messages
 from protocol.errors import ErrorCode
-from protocol.payloads import GenerationRequest, GpuPlacement
+from protocol.payloads import GenerationRequest, GpuPlacement, Timings, Usage
 from workers.model.settings import WorkerSettings
-from workers.model.worker import ModelWorker
+from workers.model.worker import ModelWorker, RegistrationState
 
 REQUEST = GenerationRequest(kind="completion", prompt="hi")
 
@@ -105,3 +106,23 @@ def test_a_move_goes_to_the_next_broker():
     worker.on_lost(1.0)
     assert worker._link.endpoint == first
     assert worker.brokers.moves == 2
+
+
+def test_what_the_main_thread_sends_goes_out_by_kind_never_dropped_unsaid():
+    """``forward`` (the link thread's last look at what the main thread
+    queued): a frame of the current job goes, one of any other job does
+    not, and a message it does not know is an error, not a silent drop
+    (it used to drop anything sent between jobs but CACHE_REPORT)."""
+    worker, _ = make_worker("ipc://b0")
+    worker._registration.state = RegistrationState.CONFIRMED
+    worker.on_message(messages.Submit(
+        "a", GenerationRequest(kind="completion", prompt="x")))
+    assert worker.forward(messages.Token("a", "t", 1))
+    assert not worker.forward(messages.Token("b", "t", 1))  # not our job
+    assert worker.forward(messages.ThreadsSet(1))
+    assert worker.forward(messages.Final("a", "stop", Usage(1, 1, 2),
+                                         Timings(1, 1.0, 1, 1.0)))
+    assert not worker.forward(messages.Token("a", "late", 1))  # after its end
+    assert worker.forward(messages.CacheReport([], None))  # between jobs
+    with pytest.raises(TypeError, match="Loading"):
+        worker.forward(messages.Loading("w", "m", 1, "h"))

@@ -234,6 +234,15 @@ class Engine(Protocol):
         if the engine cannot compute; a native crash happens here instead
         of in a client's job."""
 
+    def idle(self) -> bool:
+        """Work for the time between jobs, when none waits (save the prompt
+        state just finished); True if what ``prompt_cache_report`` says
+        changed."""
+
+    def prompt_cache_report(self) -> tuple[list[list[int]], object] | None:
+        """What CACHE_REPORT carries (fingerprint lists, the cache's
+        figures), or None for an engine without a prompt cache."""
+
     def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
         """Generate for one request. Raises ``RequestRejected`` up front.
 

@@ -71,6 +71,12 @@ class SyntheticEngine:
     def warm_up(self) -> None:
         """Nothing to prove: there is no model and no native code."""
 
+    def idle(self) -> bool:
+        return False  # no prompt cache: nothing to save between jobs
+
+    def prompt_cache_report(self) -> None:
+        return None
+
     def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
         # No model, no logits: refuse what needs them rather than ignore it.
         for field, given in (("grammar", request.grammar),

@@ -20,6 +20,7 @@ with an ERROR, tell the broker, exit 0.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
@@ -105,6 +106,17 @@ class Registration:
         self.state = RegistrationState.NONE
 
 
+@dataclasses.dataclass(frozen=True)
+class ThreadBudget:
+    """``--threads auto``: the thread count the broker last gave this worker
+    (THREADS), when it arrived, and its sequence number (each budget is
+    confirmed to the broker once, with THREADS_SET)."""
+
+    n_threads: int
+    told_at: float = 0.0
+    seq: int = 0
+
+
 class ActiveJob:
     """One running job; the engine sees it as its ``JobSink``."""
 
@@ -113,7 +125,7 @@ class ActiveJob:
         submit: messages.Submit,
         send: Callable[[messages.Message], None],
         settings: WorkerSettings,
-        wanted_threads: Callable[[], tuple[int, float, int] | None] = lambda: None,
+        wanted_threads: Callable[[], ThreadBudget | None] = lambda: None,
     ) -> None:
         self.job_id = submit.job_id
         self.request = submit.request
@@ -201,14 +213,14 @@ class ActiveJob:
                 self._paused_since = None
         return not self._cancelled.is_set()
 
-    def _confirm_budget(self) -> tuple[int, float, int] | None:
+    def _confirm_budget(self) -> ThreadBudget | None:
         """Tell the broker the current thread budget is in force from the next
         decode on (it may be holding a new job until we step down:
         ``workers.broker.step_down``), once per budget."""
         budget = self._wanted_threads()
-        if budget is not None and budget[2] != self._confirmed_budget:
-            self._confirmed_budget = budget[2]
-            self._send(messages.ThreadsSet(budget[0]))
+        if budget is not None and budget.seq != self._confirmed_budget:
+            self._confirmed_budget = budget.seq
+            self._send(messages.ThreadsSet(budget.n_threads))
         return budget
 
     def threads_to_use(self, current: int) -> int:
@@ -218,7 +230,7 @@ class ActiveJob:
         if budget is None:
             n = current
         else:
-            n, told_at, _ = budget
+            n, told_at = budget.n_threads, budget.told_at
             if n != current:
                 # How long the host was oversubscribed (or under-used): the
                 # decode that was running when THREADS arrived.
@@ -303,11 +315,12 @@ class ModelWorker(LinkHandler):
         )
         self._stop: StopSignal | None = None
         self._grace_deadline: float | None = None
-        #: --threads auto: the thread count the broker last gave us and when
-        #: (read by the engine between decodes, from the main thread; the
-        #: tuple is replaced whole). None: fixed --threads, never changed.
-        self._thread_budget: tuple[int, float, int] | None = (
-            (settings.starting_threads, 0.0, 0) if settings.auto_threads else None)
+        #: --threads auto: the thread count the broker last gave us (read by
+        #: the engine between decodes, from the main thread; replaced whole).
+        #: None: fixed --threads, never changed.
+        self._thread_budget: ThreadBudget | None = (
+            ThreadBudget(settings.starting_threads) if settings.auto_threads
+            else None)
 
     @property
     def malformed_dropped(self) -> int:
@@ -436,11 +449,8 @@ class ModelWorker(LinkHandler):
         it is about to move away from). A job that arrives meanwhile waits
         for that to end, no longer than it would have taken in its own time.
         The broker hears what changed, for routing and ``/slots``."""
-        idle = getattr(self.engine, "idle", None)
-        if idle is None:
-            return
         try:
-            changed = idle()
+            changed = self.engine.idle()
         except Exception:  # the worker serves on; the next job saves lazily
             log.exception("the engine's work between jobs failed")
             return
@@ -451,14 +461,14 @@ class ModelWorker(LinkHandler):
         """Tell the broker what the engine holds now (nothing for an engine
         without a prompt cache). Also kept for a READY to a new broker, and
         for metrics."""
-        report_of = getattr(self.engine, "prompt_cache_report", None)
-        if report_of is None:
-            return
         try:
-            states, status = report_of()
+            report = self.engine.prompt_cache_report()
         except Exception:  # never lose the job's terminal frame over it
             log.exception("building the prompt-cache report failed")
             return
+        if report is None:
+            return
+        states, status = report
         self.cache_report = messages.CacheReport(states, status)
         self._link.send(self.cache_report)
 
@@ -511,19 +521,28 @@ class ModelWorker(LinkHandler):
         return messages.Heartbeat(job.progress() if job is not None else None)
 
     def forward(self, msg: messages.Message) -> bool:
-        # Everything the main thread sends is a frame of the current job
-        # (or, just before its terminal frame, the CACHE_REPORT it caused),
-        # or a CACHE_REPORT made between jobs.
+        """Whether a message the main thread queued goes to the broker.
+
+        Two kinds come from there. A job frame goes if its job is the one
+        the broker gave us and that broker is still ours (an orphaned job's
+        frames would confuse a new broker). A message about the worker
+        (THREADS_SET; CACHE_REPORT, made after a job or between jobs) goes
+        to the broker that knows us (a new one hears the latest report after
+        READY). Anything else is a bug here, and is said so, not dropped in
+        silence.
+        """
         job = self._job
+        if isinstance(msg, messages.JOB_FRAMES):
+            ours = job is not None and msg.job_id == job.job_id
+            if ours and isinstance(msg, messages.TERMINAL):
+                self._job = None  # READY may go out again, after this frame
+            return ours and not job.orphaned
         if isinstance(msg, messages.ThreadsSet):
-            return True  # about the worker, not the job
-        if job is None and isinstance(msg, messages.CacheReport):
-            # Made between jobs (``_use_idle_time``): for the broker that
-            # knows us; a new one hears the latest report after READY.
-            return self._registration.confirmed
-        if isinstance(msg, messages.TERMINAL):
-            self._job = None
-        return job is not None and not job.orphaned
+            return True
+        if isinstance(msg, messages.CacheReport):
+            return job is not None or self._registration.confirmed
+        raise TypeError(f"the worker's main thread sent {type(msg).__name__}, "
+                        "which forward() does not know")
 
     def on_message(self, msg: messages.Message) -> None:
         if not self._registration.heard(msg):
@@ -545,8 +564,8 @@ class ModelWorker(LinkHandler):
                 log.warning("broker sent THREADS %d to a fixed --threads "
                             "worker; kept %s", msg.n_threads, self.settings.n_threads)
             else:
-                seq = self._thread_budget[2] + 1
-                self._thread_budget = (msg.n_threads, time.monotonic(), seq)
+                self._thread_budget = ThreadBudget(
+                    msg.n_threads, time.monotonic(), self._thread_budget.seq + 1)
                 if job is None or job.paused:
                     # Not decoding: in force at once (a paused job applies
                     # it before its next decode).
