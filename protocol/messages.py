@@ -32,6 +32,7 @@ while its body is unpacked, so a hostile body costs little to refuse.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import ClassVar
 
 import msgpack
@@ -319,8 +320,24 @@ class Token(Message):
     embedding: bytes = b""
 
 
-#: How a job can end well; anything else in a FINAL is malformed.
-FINISH_REASONS = ("stop", "length", "cancelled")
+class FinishReason(str, enum.Enum):
+    """How a job can end well; anything else in a FINAL is malformed."""
+
+    #: An end-of-generation token, a stop string, or a grammar's end.
+    STOP = "stop"
+    #: ``max_tokens``, or the context, ran out.
+    LENGTH = "length"
+    #: Its client went away or its frontend asked (an acknowledged cancel).
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return self.value.__format__(spec)
+
+
+FINISH_REASONS = tuple(reason.value for reason in FinishReason)
 
 
 @_register(0x16, limits.JOB_FRAME, job_id=_STR,

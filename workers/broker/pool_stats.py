@@ -13,6 +13,7 @@ import collections
 import time
 
 from protocol import messages
+from protocol.messages import FinishReason
 from protocol.payloads import HistogramSnapshot, PoolTotals
 
 #: Buckets (seconds) for disconnect-to-release latency.
@@ -92,7 +93,7 @@ class PoolStats:
             # n_batch batches inside, which the FINAL does not report), then
             # one per generated token.
             self.n_decode += (msg.timings.prompt_n > 0) + msg.usage.completion_tokens
-            if msg.finish_reason == "cancelled":
+            if msg.finish_reason == FinishReason.CANCELLED:
                 self.cancelled += 1
             else:
                 self.request_success += 1

@@ -27,6 +27,7 @@ import numpy as np
 from llama_cpp import _internals
 
 from protocol.errors import ErrorCode
+from protocol.messages import FinishReason
 from protocol.payloads import EmbeddingInput, GenerationRequest
 from workers.model.engine import GenerationResult, JobSink, RequestRejected
 from workers.model.prompting import PromptBuilder
@@ -165,24 +166,24 @@ class Embedder:
                           for i, item in enumerate(request.inputs)]
         except TokenizeCancelled:
             return GenerationResult(
-                finish_reason="cancelled", prompt_tokens=0, completion_tokens=0,
-                cached_tokens=0, prompt_ms=(time.perf_counter() - started) * 1000,
-                predicted_ms=0.0)
+                finish_reason=FinishReason.CANCELLED, prompt_tokens=0,
+                completion_tokens=0, cached_tokens=0,
+                prompt_ms=(time.perf_counter() - started) * 1000, predicted_ms=0.0)
         total = sum(len(tokens) for tokens in all_tokens)
         if total > MAX_EMBEDDING_REQUEST_TOKENS:
             raise RequestRejected(
                 ErrorCode.INPUT_TOO_LARGE,
                 f"input: {total} tokens in all; one request may have at most "
                 f"{MAX_EMBEDDING_REQUEST_TOKENS}")
-        finish = "stop"
+        finish = FinishReason.STOP
         done_tokens = 0
         for tokens in all_tokens:
             if sink.should_stop():
-                finish = "cancelled"
+                finish = FinishReason.CANCELLED
                 break
             vector = self.vector(tokens, request.embd_normalize)
             if not sink.wait_for_credit():
-                finish = "cancelled"
+                finish = FinishReason.CANCELLED
                 break
             sink.emit_embedding(vector.astype("<f4").tobytes(), len(tokens))
             done_tokens += len(tokens)

@@ -12,6 +12,7 @@ import time
 from typing import Protocol
 
 from protocol.errors import ErrorCode, context_exceeded_message
+from protocol.messages import FinishReason
 from protocol.payloads import (
     GenerationRequest,
     GpuPlacement,
@@ -125,7 +126,7 @@ class TokenOutput:
         text = self.stopper.push(text)
         if text:
             if not self.sink.wait_for_credit():
-                return "cancelled"
+                return FinishReason.CANCELLED
             extra = {}
             if self._timings is not None:
                 extra["timings"] = self._timings.now(self._pushed)
@@ -134,7 +135,7 @@ class TokenOutput:
                 self._unsent_logprobs = []
             self.sink.emit(text, self._unsent_tokens, **extra)
             self._unsent_tokens = 0
-        return "stop" if self.stopper.stopped else None
+        return FinishReason.STOP if self.stopper.stopped else None
 
     def tail(self, last_text: str = "") -> str:
         """Text held back until the end (a stop-string prefix that never
@@ -180,7 +181,7 @@ class JobSink(Protocol):
 
 @dataclasses.dataclass
 class GenerationResult:
-    finish_reason: str  # "stop", "length" or "cancelled"
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int

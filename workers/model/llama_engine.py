@@ -17,6 +17,7 @@ import llama_cpp
 
 from protocol import defaults
 from protocol.errors import ErrorCode
+from protocol.messages import FinishReason
 from protocol.payloads import EMBEDDING, GenerationRequest, GpuPlacement
 from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.embedding import DEFAULT_EMBEDDING_BATCH_TOKENS, Embedder
@@ -193,8 +194,9 @@ class LlamaEngine:
             prompt, extra_stops = self._prompt_tokens(request, sink)
         except TokenizeCancelled:
             elapsed_ms = (time.perf_counter() - started) * 1000
-            return GenerationResult(finish_reason="cancelled", prompt_tokens=0,
-                                    completion_tokens=0, cached_tokens=0,
+            return GenerationResult(finish_reason=FinishReason.CANCELLED,
+                                    prompt_tokens=0, completion_tokens=0,
+                                    cached_tokens=0,
                                     prompt_ms=elapsed_ms, predicted_ms=0.0)
         max_tokens = token_budget(len(prompt), self.n_ctx, request.max_tokens)
 
@@ -230,7 +232,7 @@ class LlamaEngine:
         output = TokenOutput(sink, request.stop + extra_stops, live)
         n_generated = 0
         first_token_at = None
-        finish = "length"
+        finish = FinishReason.LENGTH
         # Read when the generator makes its sampler chain, at the first token.
         self.llama.logit_bias = logits.native_bias
         tokens = self.llama.generate(
@@ -255,10 +257,10 @@ class LlamaEngine:
                     first_token_at = now
                 if grammar is not None and grammar.dead_end:
                     # Nothing the grammar allows was left to sample.
-                    finish = "stop"
+                    finish = FinishReason.STOP
                     break
                 if llama_cpp.llama_vocab_is_eog(self._vocab, token):
-                    finish = "stop"
+                    finish = FinishReason.STOP
                     break
                 if grammar is not None:
                     grammar.accept(token)  # before the next token is sampled
@@ -277,10 +279,10 @@ class LlamaEngine:
                     self.llama.n_tokens,
                 )
                 if n_generated >= max_tokens:
-                    finish = "length"
+                    finish = FinishReason.LENGTH
                     break
                 if sink.should_stop():
-                    finish = "cancelled"
+                    finish = FinishReason.CANCELLED
                     break
                 self._follow_thread_budget(sink)
         finally:
@@ -290,8 +292,9 @@ class LlamaEngine:
             self.llama.logit_bias = {}
         ended = time.perf_counter()
         first_token_at = first_token_at or ended
-        tail = "" if finish == "cancelled" else output.tail(detok.flush())
-        tail_logprobs = [] if finish == "cancelled" else output.tail_logprobs()
+        cancelled = finish == FinishReason.CANCELLED
+        tail = "" if cancelled else output.tail(detok.flush())
+        tail_logprobs = [] if cancelled else output.tail_logprobs()
         return GenerationResult(
             finish_reason=finish,
             prompt_tokens=len(prompt),

@@ -19,6 +19,7 @@ import time
 
 from protocol import defaults
 from protocol.errors import ErrorCode
+from protocol.messages import FinishReason
 from protocol.payloads import CHAT, EMBEDDING, GenerationRequest, GpuPlacement
 from workers.model.engine import (
     GenerationResult,
@@ -96,7 +97,7 @@ class SyntheticEngine:
         interval_s = 1.0 / self.tokens_per_second
 
         n_generated = 0
-        finish = "length"
+        finish = FinishReason.LENGTH
         while n_generated < max_tokens:
             # Pace against the start, not the previous token, so the rate
             # holds on average even when a sleep overshoots.
@@ -116,7 +117,7 @@ class SyntheticEngine:
                 n_prompt + n_generated,
             )
             if sink.should_stop():
-                finish = "cancelled"
+                finish = FinishReason.CANCELLED
                 break
         ended = time.perf_counter()
         first_token_s = min(interval_s, ended - started) if n_generated else 0.0
@@ -127,6 +128,6 @@ class SyntheticEngine:
             cached_tokens=0,
             prompt_ms=first_token_s * 1000,
             predicted_ms=(ended - started - first_token_s) * 1000,
-            tail_text="" if finish == "cancelled" else output.tail(),
+            tail_text="" if finish == FinishReason.CANCELLED else output.tail(),
             stopping_word=output.stopper.matched,
         )
