@@ -24,11 +24,11 @@ from collections.abc import Callable
 
 import llama_cpp
 import numpy as np
-from llama_cpp import _internals
 
 from protocol.errors import ErrorCode
 from protocol.messages import FinishReason
 from protocol.payloads import EmbeddingInput, GenerationRequest
+from workers.model import llama_internals
 from workers.model.engine import GenerationResult, JobSink, RequestRejected
 from workers.model.prompting import PromptBuilder
 from workers.model.tokenizing import PromptTooLong, TokenizeCancelled
@@ -79,11 +79,11 @@ class Embedder:
         self._prompts = prompts
         self._n_threads = n_threads
         self.batch_tokens = batch_tokens
-        self._ctx: _internals.LlamaContext | None = None
-        self._batch: _internals.LlamaBatch | None = None
+        self._ctx: llama_internals.LlamaContext | None = None
+        self._batch: llama_internals.LlamaBatch | None = None
         self.n_embd = llama.n_embd()
 
-    def _context(self) -> _internals.LlamaContext:
+    def _context(self) -> llama_internals.LlamaContext:
         if self._ctx is None:
             params = llama_cpp.llama_context_default_params()
             params.n_ctx = params.n_batch = params.n_ubatch = self.batch_tokens
@@ -96,10 +96,8 @@ class Embedder:
                 else llama_cpp.LLAMA_POOLING_TYPE_MEAN)
             threads = self._llama.context_params.n_threads
             params.n_threads = params.n_threads_batch = self._n_threads or threads
-            self._ctx = _internals.LlamaContext(
-                model=self._llama._model, params=params, verbose=False)
-            self._batch = _internals.LlamaBatch(
-                n_tokens=self.batch_tokens, embd=0, n_seq_max=1, verbose=False)
+            self._ctx = llama_internals.new_context(self._llama, params)
+            self._batch = llama_internals.new_batch(self.batch_tokens)
         return self._ctx
 
     def tokens_of(self, i: int, item: EmbeddingInput,

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import llama_cpp
 
+from workers.model import llama_internals
+
 _SEQ = 0
 
 
@@ -55,7 +57,7 @@ def reusable_prefix(llama: llama_cpp.Llama, prompt: Sequence[int]) -> int:
     Returns:
         Number of prompt tokens that need no evaluation (0 if none).
     """
-    mem = llama_cpp.llama_get_memory(llama._ctx.ctx)
+    mem = llama_internals.memory(llama)
     if mem is None or len(prompt) < 2:
         return 0
     pos_min = llama_cpp.llama_memory_seq_pos_min(mem, _SEQ)
@@ -75,7 +77,7 @@ def reusable_prefix(llama: llama_cpp.Llama, prompt: Sequence[int]) -> int:
         # SWA cache without swa_full: positions below pos_min were evicted.
         # The suffix starting at `keep` attends back n_swa positions, which
         # must all still be there (same rule as llama.cpp's server).
-        n_swa = llama_cpp.llama_model_n_swa(llama._model.model)
+        n_swa = llama_cpp.llama_model_n_swa(llama_internals.model_handle(llama))
         if pos_min > max(0, keep - n_swa):
             return 0
     return keep
@@ -104,7 +106,7 @@ def plan_reuse(llama: llama_cpp.Llama, prompt: Sequence[int],
     prompt = [int(t) for t in prompt]
     if not prompt:
         raise ValueError("empty prompt")
-    mem = llama_cpp.llama_get_memory(llama._ctx.ctx)
+    mem = llama_internals.memory(llama)
     keep = reusable_prefix(llama, prompt) if reuse else 0
     # seq_rm returns False when the memory cannot drop a tail (recurrent
     # state); then nothing is reusable.

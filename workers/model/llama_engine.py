@@ -19,6 +19,7 @@ from protocol import defaults
 from protocol.errors import ErrorCode
 from protocol.messages import FinishReason
 from protocol.payloads import EMBEDDING, GenerationRequest, GpuPlacement
+from workers.model import llama_internals
 from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.embedding import DEFAULT_EMBEDDING_BATCH_TOKENS, Embedder
 from workers.model.engine import (
@@ -66,7 +67,7 @@ def gpu_placement(llama: llama_cpp.Llama) -> GpuPlacement:
     requested = llama.model_params.n_gpu_layers
     if requested >= 0x7FFFFFFF:  # llama-cpp-python's spelling of -1 (all)
         requested = -1
-    n_layer = llama_cpp.llama_model_n_layer(llama._model.model) + 1
+    n_layer = llama_cpp.llama_model_n_layer(llama_internals.model_handle(llama)) + 1
     offloaded = 0
     if llama_cpp.llama_supports_gpu_offload():
         offloaded = n_layer if requested < 0 else min(requested, n_layer)
@@ -137,7 +138,7 @@ class LlamaEngine:
         #: Threads the context decodes with now (prompt and tokens alike).
         self.n_threads = self.llama.n_threads
         self.model_name = model_name or os.path.basename(model_path)
-        self._vocab = self.llama._model.vocab
+        self._vocab = llama_internals.vocab_handle(self.llama)
         self.prompts = PromptBuilder(self.llama, chat_format)
         #: Embedding jobs run in a second context, made on the first one.
         self.embedder = Embedder(self.llama, self.prompts, n_threads=n_threads,
@@ -330,7 +331,8 @@ class LlamaEngine:
         reload, and greedy output does not change."""
         wanted = sink.threads_to_use(self.n_threads)
         if wanted != self.n_threads:
-            llama_cpp.llama_set_n_threads(self.llama._ctx.ctx, wanted, wanted)
+            llama_cpp.llama_set_n_threads(
+                llama_internals.context_handle(self.llama), wanted, wanted)
             # Keep Llama's own record true too.
             self.llama.n_threads = self.llama.n_threads_batch = wanted
             self.n_threads = wanted

@@ -28,7 +28,7 @@ import llama_cpp
 import numpy as np
 
 from protocol.prefix import prefix_blocks
-from workers.model import kv_cache
+from workers.model import kv_cache, llama_internals
 from workers.model.prompt_cache import MIN_STATE_TOKENS, PromptStateCache
 
 log = logging.getLogger("llamapool.worker")
@@ -98,7 +98,7 @@ class PromptReuse:
 
     def live_length(self) -> int:
         """Tokens of the live sequence that both Python and the KV cache hold."""
-        mem = llama_cpp.llama_get_memory(self.llama._ctx.ctx)
+        mem = llama_internals.memory(self.llama)
         if mem is None:
             return 0
         pos_max = llama_cpp.llama_memory_seq_pos_max(mem, _SEQ)
@@ -111,12 +111,12 @@ class PromptReuse:
         # not for a copy of a copy.
         if self.cache.holds(self.llama.input_ids[:n]):
             return False
-        mem = llama_cpp.llama_get_memory(self.llama._ctx.ctx)
+        mem = llama_internals.memory(self.llama)
         # An SWA cache that already evicted the start of the sequence
         # (swa_full off) could only serve prompts ending near its end.
         if llama_cpp.llama_memory_seq_pos_min(mem, _SEQ) > 0:
             return False
-        ctx = self.llama._ctx.ctx
+        ctx = llama_internals.context_handle(self.llama)
         size = llama_cpp.llama_state_seq_get_size(ctx, _SEQ)
         if size <= 0 or size + 4 * n > self.cache.limit_bytes:
             self.cache.dropped += 1
@@ -145,7 +145,7 @@ class PromptReuse:
             data = state.data
             buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
             read = llama_cpp.llama_state_seq_set_data(
-                self.llama._ctx.ctx, buf, len(data), _SEQ)
+                llama_internals.context_handle(self.llama), buf, len(data), _SEQ)
             ok = read == len(data)
         if not ok:
             log.warning("a cached prompt state could not be restored (%d tokens, "
@@ -162,7 +162,7 @@ class PromptReuse:
         self._clear()
 
     def _clear(self) -> None:
-        mem = llama_cpp.llama_get_memory(self.llama._ctx.ctx)
+        mem = llama_internals.memory(self.llama)
         if mem is not None:
             llama_cpp.llama_memory_clear(mem, True)
         self.llama.n_tokens = 0

@@ -19,6 +19,7 @@ import llama_cpp
 from llama_cpp import llama_chat_format
 
 from protocol.payloads import CHAT, ChatMessage, GenerationRequest
+from workers.model import llama_internals
 from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.tokenizing import BoundedTokenizer, PromptTooLong, TokenizeCancelled
 
@@ -66,7 +67,7 @@ class PromptBuilder:
         if chat_format in (None, TEMPLATE_CHAT_FORMAT):
             template = self.llama.metadata.get("tokenizer.chat_template")
             if template:
-                model = self.llama._model
+                model = llama_internals.model_wrapper(self.llama)
                 eos, bos = model.token_eos(), model.token_bos()
                 self.renders_tools = "tools" in template
                 return llama_chat_format.Jinja2ChatFormatter(
@@ -133,7 +134,8 @@ class PromptBuilder:
         ``common_token_to_piece``); a piece may be part of a UTF-8 character.
         Valid ids only (``valid_token``)."""
         # One buffer per call: the frontend's threads share this builder.
-        detokenizer = IncrementalDetokenizer(self.llama._model.vocab, special=True)
+        detokenizer = IncrementalDetokenizer(
+            llama_internals.vocab_handle(self.llama), special=True)
         return [detokenizer.piece(t) for t in tokens]
 
     def valid_token(self, token: int) -> bool:
@@ -147,7 +149,7 @@ class PromptBuilder:
     def fim_tokens(self) -> tuple[int, int, int, int, int]:
         """The model's fill-in-the-middle tokens: prefix, suffix, middle,
         repo and file separator (-1 for each the model lacks)."""
-        vocab = self.llama._model.vocab
+        vocab = llama_internals.vocab_handle(self.llama)
         return (llama_cpp.llama_vocab_fim_pre(vocab),
                 llama_cpp.llama_vocab_fim_suf(vocab),
                 llama_cpp.llama_vocab_fim_mid(vocab),
@@ -155,7 +157,8 @@ class PromptBuilder:
                 llama_cpp.llama_vocab_fim_sep(vocab))
 
     def adds_bos(self) -> bool:
-        return bool(llama_cpp.llama_vocab_get_add_bos(self.llama._model.vocab))
+        return bool(llama_cpp.llama_vocab_get_add_bos(
+            llama_internals.vocab_handle(self.llama)))
 
     def tokenize_piece(self, text: str, limit: int) -> list[int]:
         """The tokens of a piece of text on its own: no BOS, special tokens

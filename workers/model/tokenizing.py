@@ -40,6 +40,8 @@ from collections.abc import Callable
 
 import llama_cpp
 
+from workers.model import llama_internals
+
 #: Target size of one piece handed to llama.cpp. Within a piece the
 #: tokeniser's cost grows with the square of the special-token matches
 #: (about 1,000 here: milliseconds); between pieces the cancel flag and the
@@ -125,7 +127,7 @@ class BoundedTokenizer:
     """Tokenises for one loaded vocabulary with bounded work (module doc)."""
 
     def __init__(self, llama: llama_cpp.Llama) -> None:
-        self._vocab = llama._model.vocab
+        self._vocab = llama_internals.vocab_handle(llama)
         vocab = self._vocab
         n_vocab = llama.n_vocab()
         texts = [llama_cpp.llama_vocab_get_text(vocab, t) or b""
