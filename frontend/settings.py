@@ -38,7 +38,14 @@ from collections.abc import Mapping
 
 from protocol import defaults, timing
 from protocol.broker_list import split_endpoints
-from protocol.settings import ConfigError, load, setting
+from protocol.settings import (
+    ConfigError,
+    comma_list,
+    load,
+    positive_float,
+    positive_int,
+    setting,
+)
 
 __all__ = ["ConfigError", "FrontendSettings", "read_key_file"]
 
@@ -54,11 +61,16 @@ def read_key_file(path: str) -> list[str]:
 class FrontendSettings:
     broker_endpoint: str = setting(
         dataclasses.MISSING, "LLAMAPOOL_BROKER",
-        "broker frontends endpoint(s)")
+        "broker frontends endpoint(s)",
+        flag="--broker", repeat=True,
+        help="broker frontends endpoint; repeat (or a comma list) to use "
+             "several brokers at once")
     api_keys: tuple[str, ...] = setting(
-        (), "LLAMAPOOL_API_KEYS", "comma-separated keys")
+        (), "LLAMAPOOL_API_KEYS", "comma-separated keys",
+        flag="--api-key", repeat=True, help="accepted API key (repeatable)")
     api_key_file: str = setting(
-        "", "LLAMAPOOL_API_KEY_FILE", "file with one key per line")
+        "", "LLAMAPOOL_API_KEY_FILE", "file with one key per line",
+        flag="--api-key-file")
     max_body_bytes: int = setting(
         1024 * 1024, "LLAMAPOOL_MAX_BODY_BYTES", "larger bodies get 413")
     submit_timeout_s: float = setting(
@@ -74,10 +86,12 @@ class FrontendSettings:
         0.25, "LLAMAPOOL_HEALTH_CACHE_S", "/health may be this stale")
     heartbeat_interval_s: float = setting(
         timing.HEARTBEAT_INTERVAL_S, "LLAMAPOOL_HEARTBEAT_INTERVAL_S",
-        "heartbeat to the broker")
+        "heartbeat to the broker",
+        flag="--heartbeat-interval-s", parse=positive_float)
     heartbeat_liveness: int = setting(
         timing.HEARTBEAT_LIVENESS, "LLAMAPOOL_HEARTBEAT_LIVENESS",
-        "missed beats = broker lost")
+        "missed beats = broker lost",
+        flag="--heartbeat-liveness", parse=positive_int)
     model_name: str = setting(
         "", "LLAMAPOOL_MODEL_NAME", "name when no worker is known",
         shown="(from workers)")
@@ -86,11 +100,17 @@ class FrontendSettings:
         timing.CREDIT_WINDOW_FRAMES // 4, "LLAMAPOOL_CREDIT_BATCH_FRAMES",
         "frames read per credit return")
     tokenizer_model: str = setting(
-        "", "LLAMAPOOL_TOKENIZER_MODEL", "GGUF to count prompt tokens")
+        "", "LLAMAPOOL_TOKENIZER_MODEL", "GGUF to count prompt tokens",
+        flag="--model",
+        help="GGUF to count prompt tokens at the door (vocab only)")
     chat_format: str | None = setting(
         None, "LLAMAPOOL_CHAT_FORMAT", "same as the workers' format",
-        shown="(template)")
-    n_ctx: int = setting(defaults.N_CTX, "LLAMAPOOL_CTX", "workers' context size")
+        shown="(template)",
+        flag="--chat-format",
+        help="named chat format (e.g. gemma), or 'template' for the GGUF's "
+             "Jinja template (default: template if present)")
+    n_ctx: int = setting(defaults.N_CTX, "LLAMAPOOL_CTX", "workers' context size",
+        flag="--ctx", parse=positive_int)
     stream_sndbuf_bytes: int = setting(
         65536, "LLAMAPOOL_STREAM_SNDBUF_BYTES", "kernel buffer per SSE stream")
     #: Deadlines on the client's side of a request (``llamapool.http_worker``):
@@ -109,16 +129,21 @@ class FrontendSettings:
         1000, "LLAMAPOOL_MAX_PENDING_CONNS", "arriving requests per process")
     #: CURVE key files for the broker link (``protocol.curve``); empty: plaintext.
     curve_server_key: str = setting(
-        "", "LLAMAPOOL_CURVE_SERVER_KEY", "broker's public .key (CURVE)")
+        "", "LLAMAPOOL_CURVE_SERVER_KEY", "broker's public .key (CURVE)",
+        flag="--curve-server-key")
     curve_secret_key: str = setting(
-        "", "LLAMAPOOL_CURVE_SECRET_KEY", "own .key_secret (CURVE)")
+        "", "LLAMAPOOL_CURVE_SECRET_KEY", "own .key_secret (CURVE)",
+        flag="--curve-secret-key")
     #: Web pages on these origins may call the API (comma-separated, e.g.
     #: ``https://app.example.com``); ``*``, llama.cpp's default, allows any.
     #: A browser still needs a key where keys are set: CORS decides only
     #: which pages may read the answers (``frontend.cors``).
     cors_origins: tuple[str, ...] = setting(
         ("*",), "LLAMAPOOL_CORS_ORIGINS", "web origins allowed (CORS)",
-        shown="*")
+        shown="*",
+        flag="--cors-origins", parse=comma_list,
+        help="comma-separated web origins allowed to call the API from a "
+             "browser, or '*' (llama.cpp's --cors-origins)")
 
     def __post_init__(self) -> None:
         split_endpoints(self.broker_endpoint)  # ConfigError if empty or repeated

@@ -25,37 +25,28 @@ from frontend.settings import FrontendSettings
 from llamapool import curve_cli, sd_notify
 from llamapool.exit_codes import ExitCode
 from llamapool.signals import StopFlag, dump_stacks_on_sigusr1
+from llamapool.supervisor import UP_WORKER_FLAGS
 from llamapool.test_model import QUANTS as TEST_MODEL_QUANTS
 from protocol.curve import CurveKeyError, client_keys
-from protocol.settings import ConfigError, load, to_env
-from workers.broker.settings import ROUTING_POLICIES, BrokerSettings, reject_removed
+from protocol.settings import (
+    ConfigError,
+    add_flags,
+    given_flags,
+    load,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    to_env,
+)
+from workers.broker.settings import BrokerSettings, reject_removed
 from workers.model.settings import ENGINES, WorkerSettings
-from workers.model.weight_repack import REPACK_CHOICES
 
 
 def _setup_logging(level: str, fmt: str) -> None:
     from llamapool.log_format import configure_logging
 
     configure_logging(level, fmt)
-
-
-def setting_flag(p: argparse.ArgumentParser, flag: str, cls: type, field: str,
-                 **kwargs: Any) -> None:
-    """A flag for one settings field; its help names the field's variable.
-
-    The flag is absent from the parsed namespace unless given, so the
-    variable and the default apply (``protocol.settings.load``).
-    """
-    meta = {f.name: f for f in dataclasses.fields(cls)}[field].metadata
-    kwargs.setdefault("help", meta["meaning"])
-    kwargs["help"] += f" (env {meta['env']})"
-    p.add_argument(flag, dest=field, default=argparse.SUPPRESS, **kwargs)
-
-
-def given_flags(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The settings fields of ``cls`` that were given as flags."""
-    return {f.name: getattr(args, f.name)
-            for f in dataclasses.fields(cls) if hasattr(args, f.name)}
 
 
 def settings_for(args: argparse.Namespace) -> Any:
@@ -82,64 +73,6 @@ SETTINGS = {"broker": BrokerSettings, "worker": WorkerSettings,
             "frontend": FrontendSettings}
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, not {value}")
-    return value
-
-
-def _threads(text: str) -> str:
-    """``auto`` or a thread count (0: llama.cpp's choice)."""
-    if text.strip() == "auto":
-        return "auto"
-    return str(_non_negative_int(text))
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, not {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
-    return value
-
-
-def _origins(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def _add_liveness_flags(p: argparse.ArgumentParser, cls: type) -> None:
-    setting_flag(p, "--heartbeat-interval-s", cls, "heartbeat_interval_s",
-                 type=_positive_float)
-    setting_flag(p, "--heartbeat-liveness", cls, "heartbeat_liveness",
-                 type=_positive_int)
-
-
-def _add_key_flags(p: argparse.ArgumentParser) -> None:
-    setting_flag(p, "--api-key", FrontendSettings, "api_keys", action="append",
-                 help="accepted API key (repeatable)")
-    setting_flag(p, "--api-key-file", FrontendSettings, "api_key_file")
-
-
-def _add_model_flags(p: argparse.ArgumentParser, cls: type) -> None:
-    """The flags a worker and a frontend share: they must agree on them."""
-    setting_flag(p, "--ctx", cls, "n_ctx", type=_positive_int)
-    setting_flag(p, "--chat-format", cls, "chat_format",
-                 help="named chat format (e.g. gemma), or 'template' for the "
-                      "GGUF's Jinja template (default: template if present)")
 
 
 def _gpu_list(text: str) -> list[str]:
@@ -148,24 +81,6 @@ def _gpu_list(text: str) -> list[str]:
     if not all(ids) or len(set(ids)) != len(ids):
         raise argparse.ArgumentTypeError(f"{text!r}: distinct ids, comma-separated")
     return ids
-
-
-def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    W = WorkerSettings
-    setting_flag(p, "--threads", W, "n_threads", type=_threads)
-    setting_flag(p, "--pool-cores", W, "pool_cores", type=_positive_int)
-    setting_flag(p, "--model-name", W, "model_name")
-    setting_flag(p, "--embedding-batch", W, "embedding_batch_tokens",
-                 type=_positive_int)
-    setting_flag(p, "--cache-ram", W, "cache_ram_mib", type=_non_negative_int,
-                 metavar="MIB")
-    setting_flag(p, "--gpu-layers", W, "gpu_layers", type=int, metavar="N")
-    setting_flag(p, "--flash-attn", W, "flash_attn", choices=["on", "off"])
-    setting_flag(p, "--repack", W, "repack", choices=list(REPACK_CHOICES),
-                 help="llama.cpp's weight repacking (off: llama-server's "
-                      "--no-repack); auto turns it off on a CPU with AMX, "
-                      "whose kernel crashes at this llama.cpp")
-    _add_model_flags(p, W)
 
 
 def _add_bench_parser(sub) -> None:
@@ -177,13 +92,13 @@ def _add_bench_parser(sub) -> None:
                     "and errors. Exits 0 even when requests failed.",
     )
     bench.add_argument("url", help="server base URL, with or without /v1")
-    bench.add_argument("--concurrency", "-c", type=_positive_int, default=1)
+    bench.add_argument("--concurrency", "-c", type=positive_int, default=1)
     amount = bench.add_mutually_exclusive_group()
-    amount.add_argument("--requests", "-n", type=_positive_int, default=None,
+    amount.add_argument("--requests", "-n", type=positive_int, default=None,
                         help="total requests to send (default 100)")
-    amount.add_argument("--duration", type=_positive_float, default=None,
+    amount.add_argument("--duration", type=positive_float, default=None,
                         help="send for this many seconds instead")
-    bench.add_argument("--max-tokens", type=_non_negative_int, default=64)
+    bench.add_argument("--max-tokens", type=non_negative_int, default=64)
     bench.add_argument("--chat", action="store_true",
                        help="use /v1/chat/completions (default: /v1/completions)")
     prompt = bench.add_mutually_exclusive_group()
@@ -194,9 +109,9 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--ignore-eos", action="store_true",
                        help="send ignore_eos, so every request runs to max_tokens")
     bench.add_argument("--model", default=None, help="the request's model field")
-    bench.add_argument("--timeout", type=_positive_float, default=600.0,
+    bench.add_argument("--timeout", type=positive_float, default=600.0,
                        help="per-request timeout in seconds")
-    bench.add_argument("--wait-after-503", type=_non_negative_float, default=0.0,
+    bench.add_argument("--wait-after-503", type=non_negative_float, default=0.0,
                        metavar="S",
                        help="a refused client waits S seconds before its next "
                             "request (default 0: at once)")
@@ -218,80 +133,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="broker + N workers + gunicorn on this machine")
     up.add_argument("--model", help="GGUF path (default: Gemma 3 270M, assembled)")
-    up.add_argument("--workers", type=_positive_int, default=2)
+    up.add_argument("--workers", type=positive_int, default=2)
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8080)
     up.add_argument("--gpus", type=_gpu_list, default=None, metavar="0,1",
                     help="GPU ids: worker i sees only the (i mod N)-th "
                          "(CUDA_VISIBLE_DEVICES); with --gpu-layers")
-    _add_key_flags(up)
-    _add_worker_flags(up)
-    _add_liveness_flags(up, WorkerSettings)
+    add_flags(up, FrontendSettings, ("api_keys", "api_key_file"))
+    add_flags(up, WorkerSettings, UP_WORKER_FLAGS)
 
-    B = BrokerSettings
     broker = sub.add_parser("broker", help="the broker alone")
-    setting_flag(broker, "--frontends", B, "frontends_endpoint")
-    setting_flag(broker, "--workers", B, "workers_endpoint")
-    setting_flag(broker, "--metrics-port", B, "metrics_port", type=_non_negative_int)
-    setting_flag(broker, "--max-workers", B, "max_workers", type=_positive_int)
-    setting_flag(broker, "--routing", B, "routing", choices=ROUTING_POLICIES)
-    setting_flag(broker, "--first-frame-timeout-s", B, "first_frame_timeout_s",
-                 type=_positive_float)
-    setting_flag(broker, "--step-down-wait-s", B, "step_down_wait_s",
-                 type=_non_negative_float)
-    _add_liveness_flags(broker, B)
-    setting_flag(broker, "--curve-secret-key", B, "curve_secret_key")
-    setting_flag(broker, "--curve-authorized-workers", B, "curve_authorized_workers")
-    setting_flag(broker, "--curve-authorized-frontends", B,
-                 "curve_authorized_frontends")
+    add_flags(broker, BrokerSettings)
     # Removed (keys have roles now); kept only to say so instead of
     # argparse's bare "unrecognized arguments".
     broker.add_argument("--curve-authorized-dir", dest="removed_authorized_dir",
                         default=None, help=argparse.SUPPRESS)
-    setting_flag(broker, "--insecure-plaintext", B, "insecure_plaintext",
-                 action="store_const", const=True)
 
-    W = WorkerSettings
     worker = sub.add_parser("worker", help="one model worker")
-    setting_flag(worker, "--broker", W, "broker_endpoint", action="append",
-                 help="broker workers endpoint; repeat (or a comma list) for "
-                      "several: the worker registers with one and moves on "
-                      "when it goes silent")
-    setting_flag(worker, "--model", W, "model_path")
-    setting_flag(worker, "--engine", W, "engine", choices=ENGINES,
-                 help="llama.cpp, or synthetic: a stand-in with no model that "
-                      "emits 'tok0 tok1 ...' at --tokens-per-second")
-    setting_flag(worker, "--tokens-per-second", W, "tokens_per_second",
-                 type=_positive_float)
-    setting_flag(worker, "--stall-timeout-s", W, "stall_timeout_s",
-                 type=_positive_float)
-    setting_flag(worker, "--shutdown-grace-s", W, "shutdown_grace_s",
-                 type=_non_negative_float)
-    setting_flag(worker, "--worker-name", W, "worker_name")
-    setting_flag(worker, "--metrics-port", W, "metrics_port", type=_non_negative_int)
-    _add_worker_flags(worker)
-    _add_liveness_flags(worker, W)
-    setting_flag(worker, "--curve-server-key", W, "curve_server_key")
-    setting_flag(worker, "--curve-secret-key", W, "curve_secret_key")
+    add_flags(worker, WorkerSettings)
 
-    F = FrontendSettings
     frontend = sub.add_parser("frontend", help="gunicorn on the Falcon app")
-    setting_flag(frontend, "--broker", F, "broker_endpoint", action="append",
-                 help="broker frontends endpoint; repeat (or a comma list) "
-                      "to use several brokers at once")
     frontend.add_argument("--bind",
                           default=os.environ.get("LLAMAPOOL_BIND", "127.0.0.1:8080"),
                           help="gunicorn's address (env LLAMAPOOL_BIND)")
-    setting_flag(frontend, "--model", F, "tokenizer_model",
-                 help="GGUF to count prompt tokens at the door (vocab only)")
-    _add_model_flags(frontend, F)
-    _add_key_flags(frontend)
-    _add_liveness_flags(frontend, F)
-    setting_flag(frontend, "--curve-server-key", F, "curve_server_key")
-    setting_flag(frontend, "--curve-secret-key", F, "curve_secret_key")
-    setting_flag(frontend, "--cors-origins", F, "cors_origins", type=_origins,
-                 help="comma-separated web origins allowed to call the API "
-                      "from a browser, or '*' (llama.cpp's --cors-origins)")
+    add_flags(frontend, FrontendSettings)
 
     model = sub.add_parser("make-test-model", help="write the tiny test GGUF")
     model.add_argument("path")

@@ -26,11 +26,26 @@ import time
 import urllib.error
 import urllib.request
 
+from frontend.settings import FrontendSettings
 from llamapool.exit_codes import NOT_RESTARTABLE, ExitCode
 from llamapool.signals import StopFlag
+from protocol.settings import as_argv, given_flags
 from protocol.worker_phase import describe_exit, read_phase
+from workers.broker.settings import BrokerSettings
+from workers.model.settings import WorkerSettings
 
 log = logging.getLogger("llamapool.up")
+
+#: The worker flags ``llamapool up`` takes and hands to each worker (every
+#: other worker setting comes from the environment, or is up's to choose).
+UP_WORKER_FLAGS = ("n_threads", "pool_cores", "model_name", "embedding_batch_tokens",
+                   "cache_ram_mib", "gpu_layers", "flash_attn", "repack", "n_ctx",
+                   "chat_format", "heartbeat_interval_s", "heartbeat_liveness")
+#: ... and those it hands to the frontend (its own --api-key and
+#: --api-key-file among them) and to the broker.
+UP_FRONTEND_FLAGS = ("api_keys", "api_key_file", "n_ctx", "chat_format",
+                     "heartbeat_interval_s", "heartbeat_liveness")
+UP_BROKER_FLAGS = ("heartbeat_interval_s", "heartbeat_liveness")
 
 RESTART_BACKOFF_MAX_S = 30.0
 STOP_TIMEOUT_S = 40.0
@@ -178,18 +193,6 @@ def _health_ok(url: str) -> bool:
         return False
 
 
-def _forwarded(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
-    """The given ones of ``flags`` (field -> flag), as argv for a child."""
-    argv: list[str] = []
-    for field, flag in flags.items():
-        value = getattr(args, field, None)
-        if value is None:
-            continue
-        for item in value if isinstance(value, list) else [value]:
-            argv += [flag, str(item)]
-    return argv
-
-
 def _unrecoverable(broker: Child, frontend: Child, workers: list[Child]) -> int | None:
     """The exit code that ends the pool: the broker's or the frontend's, or
     the workers' once every one of them has given up; None while it can run."""
@@ -217,24 +220,15 @@ def run_up(args: argparse.Namespace) -> int:
            "--log-format", args.log_format]
     # Flags not given are not passed: each child then reads the same
     # LLAMAPOOL_* variable, or falls back to the same default.
-    liveness = _forwarded(args, {"heartbeat_interval_s": "--heartbeat-interval-s",
-                                 "heartbeat_liveness": "--heartbeat-liveness"})
-    shared = _forwarded(args, {"n_ctx": "--ctx", "chat_format": "--chat-format"})
     worker_argv = [*cli, "worker", "--broker", workers_ep, "--model", model,
-                   *shared, *liveness,
-                   *_forwarded(args, {"n_threads": "--threads",
-                                      "pool_cores": "--pool-cores",
-                                      "model_name": "--model-name",
-                                      "embedding_batch_tokens": "--embedding-batch",
-                                      "cache_ram_mib": "--cache-ram",
-                                      "gpu_layers": "--gpu-layers",
-                                      "flash_attn": "--flash-attn",
-                                      "repack": "--repack"})]
+                   *as_argv(WorkerSettings,
+                            given_flags(args, WorkerSettings, UP_WORKER_FLAGS))]
     frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
                      "--bind", f"{args.host}:{args.port}", "--model", model,
-                     *shared, *liveness,
-                     *_forwarded(args, {"api_keys": "--api-key",
-                                        "api_key_file": "--api-key-file"})]
+                     *as_argv(FrontendSettings,
+                              given_flags(args, FrontendSettings, UP_FRONTEND_FLAGS))]
+    liveness = as_argv(BrokerSettings, given_flags(args, BrokerSettings,
+                                                   UP_BROKER_FLAGS))
 
     broker = Child("broker", "broker", [*cli, "broker", "--frontends", frontends_ep,
                                         "--workers", workers_ep, *liveness])

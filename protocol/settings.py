@@ -14,11 +14,12 @@ is the one package they may all import.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -30,14 +31,108 @@ class ConfigError(ValueError):
     """A setting is missing or malformed."""
 
 
-def setting(default: Any, env: str, meaning: str, *, shown: str = "") -> Any:
+def setting(default: Any, env: str, meaning: str, *, shown: str = "",
+            flag: str = "", parse: Callable[[str], Any] | None = None,
+            choices: Iterable[str] | None = None, repeat: bool = False,
+            const: Any = None, help: str = "", metavar: str | None = None) -> Any:
     """A settings field read from ``env``; ``shown`` overrides the table's default.
+
+    ``flag`` (``--ctx``) makes it a command-line flag too, with the rest as
+    its argparse options (``parse``: the value's type; ``repeat``: given more
+    than once, a list; ``const``: a flag without a value; ``help``: instead of
+    ``meaning``). Commands add it with ``add_flags`` and hand it to a child
+    process with ``as_argv``, so a setting is declared once, here.
 
     Pass ``dataclasses.MISSING`` as ``default`` for a required setting.
     """
+    cli = {"type": parse, "choices": list(choices) if choices else None,
+           "action": "append" if repeat else "store_const" if const is not None
+           else None,
+           "const": const, "help": help or None, "metavar": metavar}
     return dataclasses.field(
-        default=default, metadata={"env": env, "meaning": meaning, "shown": shown}
-    )
+        default=default,
+        metadata={"env": env, "meaning": meaning, "shown": shown, "flag": flag,
+                  "cli": {k: v for k, v in cli.items() if v is not None}})
+
+
+# --- flag values (argparse ``type=``), shared by every command ---------------
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, not {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, not {text}")
+    return value
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+# --- flags ---------------------------------------------------------------------
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type,
+              names: Iterable[str] | None = None) -> None:
+    """Add the flags ``cls`` declares (or only ``names``) to ``parser``.
+
+    A flag is absent from the parsed namespace unless given, so the
+    variable and the default apply (``load``); its help names its variable.
+    """
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in (names if names is not None
+                 else [n for n, f in fields.items() if f.metadata.get("flag")]):
+        meta = fields[name].metadata
+        kwargs = dict(meta["cli"])
+        kwargs["help"] = f"{kwargs.get('help', meta['meaning'])} (env {meta['env']})"
+        parser.add_argument(meta["flag"], dest=name, default=argparse.SUPPRESS,
+                            **kwargs)
+
+
+def given_flags(args: argparse.Namespace, cls: type,
+                names: Iterable[str] | None = None) -> dict[str, Any]:
+    """The fields of ``cls`` (or only ``names``) that were given as flags."""
+    wanted = set(names) if names is not None else None
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+            if hasattr(args, f.name) and (wanted is None or f.name in wanted)}
+
+
+def as_argv(cls: type, values: Mapping[str, Any]) -> list[str]:
+    """``values`` (field -> value) as the flags ``cls`` declares, for a child
+    process's command line; a field without a flag is an error."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    argv: list[str] = []
+    for name, value in values.items():
+        meta = fields[name].metadata
+        if not meta.get("flag"):
+            raise ValueError(f"{cls.__name__}.{name} has no flag")
+        if "const" in meta["cli"]:
+            argv += [meta["flag"]] if value == meta["cli"]["const"] else []
+            continue
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            argv += [meta["flag"], str(item)]
+    return argv
 
 
 def _kind(hint: Any) -> tuple[type, bool]:

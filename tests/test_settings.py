@@ -137,3 +137,41 @@ def test_up_does_not_restart_a_child_with_a_key_error(tiny_model, tmp_path):
     log = up.log()
     assert "not restarting it" in log
     assert "restarting in" not in log
+
+
+#: A value other than the default for each kind of flagged setting.
+_OTHER = {int: 7, float: 2.5, str: "x"}
+
+
+@pytest.mark.parametrize("command, cls", [
+    ("worker", worker_settings.WorkerSettings),
+    ("broker", broker_settings.BrokerSettings),
+    ("frontend", frontend_settings.FrontendSettings),
+])
+def test_a_flag_is_declared_once_and_hands_its_value_on(command, cls):
+    """Every flag comes from its setting's declaration (``setting(flag=)``):
+    the command parses it into that field, and ``as_argv`` (what ``llamapool
+    up`` hands a child) gives it back, for every flagged field."""
+    from protocol.settings import as_argv
+
+    fields = [f for f in dataclasses.fields(cls) if f.metadata.get("flag")]
+    assert fields
+    values = {}
+    for f in fields:
+        cli_opts = f.metadata["cli"]
+        if "const" in cli_opts:
+            values[f.name] = cli_opts["const"]
+        elif "choices" in cli_opts:
+            values[f.name] = cli_opts["choices"][-1]
+        elif f.name == "n_threads":
+            values[f.name] = "auto"
+        elif cli_opts.get("action") == "append":
+            values[f.name] = ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"] \
+                if f.name == "broker_endpoint" else ["a", "b"]
+        elif f.name == "cors_origins":
+            values[f.name] = ("http://a.example",)
+        else:
+            kind = type(f.default) if f.default is not dataclasses.MISSING else str
+            values[f.name] = _OTHER.get(kind, "x")
+    args = cli.build_parser().parse_args([command, *as_argv(cls, values)])
+    assert {k: getattr(args, k) for k in values} == values

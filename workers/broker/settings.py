@@ -52,7 +52,14 @@ import dataclasses
 from collections.abc import Mapping
 
 from protocol import limits, timing
-from protocol.settings import ConfigError, setting
+from protocol.settings import (
+    ConfigError,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    setting,
+)
 
 #: The most workers one STATUS reply can describe (``protocol.limits``).
 MAX_WORKERS_LIMIT = 10_000
@@ -67,38 +74,51 @@ assert MAX_WORKERS_LIMIT * limits.MAX_SLOT_STATUS_BYTES <= (
 class BrokerSettings:
     frontends_endpoint: str = setting(
         dataclasses.MISSING, "LLAMAPOOL_FRONTENDS_ENDPOINT",
-        "bind for frontends (--frontends)")
+        "bind for frontends (--frontends)",
+        flag="--frontends")
     workers_endpoint: str = setting(
         dataclasses.MISSING, "LLAMAPOOL_WORKERS_ENDPOINT",
-        "bind for workers (--workers)")
+        "bind for workers (--workers)",
+        flag="--workers")
     heartbeat_interval_s: float = setting(
         timing.HEARTBEAT_INTERVAL_S, "LLAMAPOOL_HEARTBEAT_INTERVAL_S",
-        "heartbeat to every peer")
+        "heartbeat to every peer",
+        flag="--heartbeat-interval-s", parse=positive_float)
     heartbeat_liveness: int = setting(
         timing.HEARTBEAT_LIVENESS, "LLAMAPOOL_HEARTBEAT_LIVENESS",
-        "missed beats = peer dead")
+        "missed beats = peer dead",
+        flag="--heartbeat-liveness", parse=positive_int)
     #: CURVE (see ``workers.broker.security``); empty paths mean plaintext.
     curve_secret_key: str = setting(
-        "", "LLAMAPOOL_CURVE_SECRET_KEY", "own .key_secret (enables CURVE)")
+        "", "LLAMAPOOL_CURVE_SECRET_KEY", "own .key_secret (enables CURVE)",
+        flag="--curve-secret-key")
     #: One directory per role: a key may act only as what its directory says.
     curve_authorized_workers: str = setting(
-        "", "LLAMAPOOL_CURVE_AUTHORIZED_WORKERS", "worker .key files allowed in")
+        "", "LLAMAPOOL_CURVE_AUTHORIZED_WORKERS", "worker .key files allowed in",
+        flag="--curve-authorized-workers")
     curve_authorized_frontends: str = setting(
         "", "LLAMAPOOL_CURVE_AUTHORIZED_FRONTENDS",
-        "frontend .key files allowed in")
+        "frontend .key files allowed in",
+        flag="--curve-authorized-frontends")
     insecure_plaintext: bool = setting(
         False, "LLAMAPOOL_INSECURE_PLAINTEXT",
-        "allow non-loopback w/o CURVE")
+        "allow non-loopback w/o CURVE",
+        flag="--insecure-plaintext", const=True)
     metrics_port: int = setting(
-        0, "LLAMAPOOL_BROKER_METRICS_PORT", "port for own /metrics (0: off)")
+        0, "LLAMAPOOL_BROKER_METRICS_PORT", "port for own /metrics (0: off)",
+        flag="--metrics-port", parse=non_negative_int)
     max_workers: int = setting(
-        1024, "LLAMAPOOL_MAX_WORKERS", "more registrations are refused")
+        1024, "LLAMAPOOL_MAX_WORKERS", "more registrations are refused",
+        flag="--max-workers", parse=positive_int)
     first_frame_timeout_s: float = setting(
-        30.0, "LLAMAPOOL_FIRST_FRAME_TIMEOUT_S", "job fails if its worker is mute")
+        30.0, "LLAMAPOOL_FIRST_FRAME_TIMEOUT_S", "job fails if its worker is mute",
+        flag="--first-frame-timeout-s", parse=positive_float)
     step_down_wait_s: float = setting(
-        0.25, "LLAMAPOOL_STEP_DOWN_WAIT_S", "SUBMIT waits for step-downs")
+        0.25, "LLAMAPOOL_STEP_DOWN_WAIT_S", "SUBMIT waits for step-downs",
+        flag="--step-down-wait-s", parse=non_negative_float)
     routing: str = setting(
-        "prefix", "LLAMAPOOL_ROUTING", "prefix or lru (see below)")
+        "prefix", "LLAMAPOOL_ROUTING", "prefix or lru (see below)",
+        flag="--routing", choices=ROUTING_POLICIES)
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_workers <= MAX_WORKERS_LIMIT:

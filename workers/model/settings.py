@@ -42,11 +42,25 @@ import os
 
 from protocol import defaults, limits, timing
 from protocol.broker_list import split_endpoints
-from protocol.settings import ConfigError, setting
+from protocol.settings import (
+    ConfigError,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    setting,
+)
 from workers.model.weight_repack import REPACK_CHOICES
 
 #: Engines a worker can run (``--engine``); llama.cpp is the only real one.
 ENGINES = ("llama.cpp", "synthetic")
+
+
+def thread_count(text: str) -> str:
+    """``--threads``: ``auto``, or a thread count (0: llama.cpp's choice)."""
+    if text.strip() == "auto":
+        return "auto"
+    return str(non_negative_int(text))
 
 
 #: More layers than any model has: llama.cpp caps the count at the model's.
@@ -57,68 +71,94 @@ MAX_GPU_LAYERS = 100_000
 class WorkerSettings:
     broker_endpoint: str = setting(
         dataclasses.MISSING, "LLAMAPOOL_BROKER",
-        "broker workers endpoint(s), comma")
+        "broker workers endpoint(s), comma",
+        flag="--broker", repeat=True,
+        help="broker workers endpoint; repeat (or a comma list) for several: "
+             "the worker registers with one and moves on when it goes silent")
     engine: str = setting(
         "llama.cpp", "LLAMAPOOL_ENGINE",
-        "llama.cpp or synthetic (no model)")
+        "llama.cpp or synthetic (no model)",
+        flag="--engine", choices=ENGINES,
+        help="llama.cpp, or synthetic: a stand-in with no model that emits "
+             "'tok0 tok1 ...' at --tokens-per-second")
     model_path: str = setting(
-        "", "LLAMAPOOL_MODEL", "GGUF file (llama.cpp engine)")
-    n_ctx: int = setting(defaults.N_CTX, "LLAMAPOOL_CTX", "context tokens per slot")
+        "", "LLAMAPOOL_MODEL", "GGUF file (llama.cpp engine)",
+        flag="--model")
+    n_ctx: int = setting(defaults.N_CTX, "LLAMAPOOL_CTX", "context tokens per slot",
+        flag="--ctx", parse=positive_int)
     #: ``auto``: the broker gives each busy worker its share of
     #: ``pool_cores`` among the busy workers on its host
     #: (``workers.broker.thread_budget``).
     n_threads: str = setting(
-        "0", "LLAMAPOOL_THREADS", "llama.cpp threads: N, 0 or auto")
+        "0", "LLAMAPOOL_THREADS", "llama.cpp threads: N, 0 or auto",
+        flag="--threads", parse=thread_count)
     pool_cores: int = setting(
         0, "LLAMAPOOL_POOL_CORES", "host cores for auto threads",
-        shown="(all CPUs)")
+        shown="(all CPUs)",
+        flag="--pool-cores", parse=positive_int)
     chat_format: str | None = setting(
         None, "LLAMAPOOL_CHAT_FORMAT", "named chat format, e.g. gemma",
-        shown="(template)")
+        shown="(template)",
+        flag="--chat-format",
+        help="named chat format (e.g. gemma), or 'template' for the GGUF's "
+             "Jinja template (default: template if present)")
     model_name: str = setting(
-        "", "LLAMAPOOL_MODEL_NAME", "name in /v1/models", shown="(file name)")
+        "", "LLAMAPOOL_MODEL_NAME", "name in /v1/models", shown="(file name)",
+        flag="--model-name")
     #: The embedding context's size and batch (``workers.model.embedding``):
     #: the longest embedding input, in tokens.
     embedding_batch_tokens: int = setting(
-        512, "LLAMAPOOL_EMBEDDING_BATCH", "longest embedding input (tokens)")
+        512, "LLAMAPOOL_EMBEDDING_BATCH", "longest embedding input (tokens)",
+        flag="--embedding-batch", parse=positive_int)
     tokens_per_second: float = setting(
-        50.0, "LLAMAPOOL_TOKENS_PER_SECOND", "synthetic engine output rate")
+        50.0, "LLAMAPOOL_TOKENS_PER_SECOND", "synthetic engine output rate",
+        flag="--tokens-per-second", parse=positive_float)
     heartbeat_interval_s: float = setting(
         timing.HEARTBEAT_INTERVAL_S, "LLAMAPOOL_HEARTBEAT_INTERVAL_S",
-        "heartbeat to the broker")
+        "heartbeat to the broker",
+        flag="--heartbeat-interval-s", parse=positive_float)
     heartbeat_liveness: int = setting(
         timing.HEARTBEAT_LIVENESS, "LLAMAPOOL_HEARTBEAT_LIVENESS",
-        "missed beats = broker lost")
+        "missed beats = broker lost",
+        flag="--heartbeat-liveness", parse=positive_int)
     credit_window_frames: int = setting(
         timing.CREDIT_WINDOW_FRAMES, "LLAMAPOOL_CREDIT_WINDOW_FRAMES",
         "TOKEN frames before a pause")
     stall_timeout_s: float = setting(
         timing.STALL_TIMEOUT_S, "LLAMAPOOL_STALL_TIMEOUT_S",
-        "paused job cancelled after")
+        "paused job cancelled after",
+        flag="--stall-timeout-s", parse=positive_float)
     #: After SIGTERM, how long the running job may continue before it is ended.
     shutdown_grace_s: float = setting(
-        30.0, "LLAMAPOOL_SHUTDOWN_GRACE_S", "after SIGTERM, the job may finish")
+        30.0, "LLAMAPOOL_SHUTDOWN_GRACE_S", "after SIGTERM, the job may finish",
+        flag="--shutdown-grace-s", parse=non_negative_float)
     worker_name: str = setting(
-        "", "LLAMAPOOL_WORKER_NAME", "name in logs and /slots", shown="(host:pid)")
+        "", "LLAMAPOOL_WORKER_NAME", "name in logs and /slots", shown="(host:pid)",
+        flag="--worker-name")
     #: CURVE key files for the link to the broker (``protocol.curve``).
     curve_server_key: str = setting(
-        "", "LLAMAPOOL_CURVE_SERVER_KEY", "the broker's public .key (CURVE)")
+        "", "LLAMAPOOL_CURVE_SERVER_KEY", "the broker's public .key (CURVE)",
+        flag="--curve-server-key")
     curve_secret_key: str = setting(
-        "", "LLAMAPOOL_CURVE_SECRET_KEY", "own .key_secret (CURVE)")
+        "", "LLAMAPOOL_CURVE_SECRET_KEY", "own .key_secret (CURVE)",
+        flag="--curve-secret-key")
     metrics_port: int = setting(
-        0, "LLAMAPOOL_WORKER_METRICS_PORT", "port for own /metrics (0: off)")
+        0, "LLAMAPOOL_WORKER_METRICS_PORT", "port for own /metrics (0: off)",
+        flag="--metrics-port", parse=non_negative_int)
 
     #: The prompt-state cache (``workers.model.prompt_cache``). A Gemma 3
     #: 270M state costs 10-18 KiB per token (BENCHMARKS.md section 12): 2 GiB
     #: holds ~200 conversations of 1000 tokens, and two workers stay far
     #: inside a 24 GiB machine.
     cache_ram_mib: int = setting(
-        2048, "LLAMAPOOL_CACHE_RAM", "saved prompt states, MiB (0: off)")
+        2048, "LLAMAPOOL_CACHE_RAM", "saved prompt states, MiB (0: off)",
+        flag="--cache-ram", parse=non_negative_int, metavar="MIB")
     #: llama.cpp's ``n_gpu_layers``. Only a GPU build of llama-cpp-python
     #: offloads; ``make serve`` installs the CPU build (docs/operations.md, "GPUs").
     #: Which device: ``CUDA_VISIBLE_DEVICES`` (``llamapool up --gpus``).
     gpu_layers: int = setting(
-        0, "LLAMAPOOL_GPU_LAYERS", "layers on a GPU (-1: all)")
+        0, "LLAMAPOOL_GPU_LAYERS", "layers on a GPU (-1: all)",
+        flag="--gpu-layers", parse=int, metavar="N")
     #: llama.cpp's flash attention. llama-server's default (``-fa auto``)
     #: turns it on wherever the backend has it, every CPU build included;
     #: llama-cpp-python can only say on or off. On this machine ``on``
@@ -128,12 +168,17 @@ class WorkerSettings:
     #: sums run in another order; tests/test_prompt_cache_gemma.py fails with
     #: it), which the prompt cache promises. So ``off`` unless asked.
     flash_attn: str = setting(
-        "off", "LLAMAPOOL_FLASH_ATTN", "flash attention: on or off")
+        "off", "LLAMAPOOL_FLASH_ATTN", "flash attention: on or off",
+        flag="--flash-attn", choices=("on", "off"))
     #: llama.cpp's weight repacking (llama-server's ``--no-repack``): auto
     #: turns it off on a CPU with AMX, whose kernel crashes at the vendored
     #: llama.cpp, and keeps it on elsewhere (``workers.model.weight_repack``).
     repack: str = setting(
-        "auto", "LLAMAPOOL_REPACK", "weight repacking: auto, on or off")
+        "auto", "LLAMAPOOL_REPACK", "weight repacking: auto, on or off",
+        flag="--repack", choices=REPACK_CHOICES,
+        help="llama.cpp's weight repacking (off: llama-server's --no-repack); "
+             "auto turns it off on a CPU with AMX, whose kernel crashes at "
+             "this llama.cpp")
     #: ``protocol.worker_phase``: one line, rewritten at each phase
     #: (loading, warm-up, idle, job <id>), read by ``llamapool up`` or the
     #: systemd unit's ``ExecStopPost`` after a native crash.
