@@ -107,45 +107,10 @@ def _vocab(fim: bool = False) -> tuple[list[str], list[float], list[int]]:
     return pieces, scores, [int(t) for t in types]
 
 
-#: Weight types ``write_test_model`` can write (``--quant``). The block
-#: quants are what users run, and the ones llama.cpp's repacked (AVX2:
-#: Q4_0) and AMX (Q4_0, Q8_0) matmul kernels take; F32 takes neither.
-QUANTS = ("f32", "q8_0", "q4_0")
-
-#: The quantized tensors: the layers' matrices, as a quantized model's are.
-#: The embeddings and the output matrix stay F32, so the bias channel below
-#: keeps its exact offsets.
-_QUANTIZED_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight",
-                       "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
-                       "ffn_down.weight")
-
-
-def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
-                     chat_template: str = CHAT_TEMPLATE, fim: bool = False,
-                     quant: str = "f32") -> None:
-    """Write a tiny random-weight llama GGUF (F32 ~0.5 MB, less quantized).
-
-    2 layers, 64 dims, 4 heads (2 KV heads), FFN 128, context length 2048,
-    SPM vocabulary (<unk>=0, <s>=1, </s>=2, byte tokens, a few hundred pieces,
-    <|im_start|>/<|im_end|>) and a chatml-like ``tokenizer.chat_template``.
-
-    Args:
-        path: Destination file; overwritten if it exists.
-        seed: Seed for the weights; same seed gives a byte-identical file.
-        chat_template: ``tokenizer.chat_template`` (``TOOLS_CHAT_TEMPLATE``:
-            one that renders tools).
-        fim: Also give it fill-in-the-middle tokens (``FIM_PIECES``), for
-            ``/infill``; the default model has none, like most chat models.
-        quant: One of ``QUANTS``: the layers' weight type.
-    """
-    if quant not in QUANTS:
-        raise ValueError(f"quant {quant!r}: one of {', '.join(QUANTS)}")
-    # Imported here: gguf and numpy are test dependencies, not the server's.
+def _weights(seed: int, pieces: list[str]) -> dict:
+    """The tensors (F32, NumPy): random layers, and the bias channel."""
     import numpy as np
-    from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
-    from gguf.quants import quantize
 
-    pieces, scores, types = _vocab(fim)
     n_vocab = len(pieces)
     im_end_id = pieces.index("<|im_end|>")
     head_dim = N_EMBD // N_HEAD
@@ -196,6 +161,52 @@ def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
     bias[FIRST_BYTE_ID : FIRST_BYTE_ID + 256] = -4.0  # mostly readable text
     out[:, 0] = bias / 5.0
     tensors["output.weight"] = out
+
+    return tensors
+
+
+#: Weight types ``write_test_model`` can write (``--quant``). The block
+#: quants are what users run, and the ones llama.cpp's repacked (AVX2:
+#: Q4_0) and AMX (Q4_0, Q8_0) matmul kernels take; F32 takes neither.
+QUANTS = ("f32", "q8_0", "q4_0")
+
+#: The quantized tensors: the layers' matrices, as a quantized model's are.
+#: The embeddings and the output matrix stay F32, so the bias channel below
+#: keeps its exact offsets.
+_QUANTIZED_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight",
+                       "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
+                       "ffn_down.weight")
+
+
+def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
+                     chat_template: str = CHAT_TEMPLATE, fim: bool = False,
+                     quant: str = "f32") -> None:
+    """Write a tiny random-weight llama GGUF (F32 ~0.5 MB, less quantized).
+
+    2 layers, 64 dims, 4 heads (2 KV heads), FFN 128, context length 2048,
+    SPM vocabulary (<unk>=0, <s>=1, </s>=2, byte tokens, a few hundred pieces,
+    <|im_start|>/<|im_end|>) and a chatml-like ``tokenizer.chat_template``.
+
+    Args:
+        path: Destination file; overwritten if it exists.
+        seed: Seed for the weights; same seed gives a byte-identical file.
+        chat_template: ``tokenizer.chat_template`` (``TOOLS_CHAT_TEMPLATE``:
+            one that renders tools).
+        fim: Also give it fill-in-the-middle tokens (``FIM_PIECES``), for
+            ``/infill``; the default model has none, like most chat models.
+        quant: One of ``QUANTS``: the layers' weight type.
+    """
+    if quant not in QUANTS:
+        raise ValueError(f"quant {quant!r}: one of {', '.join(QUANTS)}")
+    # Imported here: gguf and numpy are test dependencies, not the server's.
+    from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
+    from gguf.quants import quantize
+
+    pieces, scores, types = _vocab(fim)
+    n_vocab = len(pieces)
+    im_end_id = pieces.index("<|im_end|>")
+    head_dim = N_EMBD // N_HEAD
+    tensors = _weights(seed, pieces)
 
     writer = GGUFWriter(os.fspath(path), "llama")
     writer.add_name("llamapool-test-model")

@@ -234,20 +234,7 @@ class LlamaEngine:
         n_generated = 0
         first_token_at = None
         finish = FinishReason.LENGTH
-        # Read when the generator makes its sampler chain, at the first token.
-        self.llama.logit_bias = logits.native_bias
-        tokens = self.llama.generate(
-            plan.tokens,
-            reset=plan.reset,
-            temp=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            min_p=sampling.min_p,
-            repeat_penalty=sampling.repeat_penalty,
-            presence_penalty=sampling.presence_penalty,
-            frequency_penalty=sampling.frequency_penalty,
-            logits_processor=logits.processor_list(),
-        )
+        tokens = self._sampled_tokens(plan, sampling, logits)
         try:
             if max_tokens == 0:
                 tokens.close()
@@ -306,6 +293,24 @@ class LlamaEngine:
             tail_text=tail,
             tail_logprobs=tail_logprobs,
             stopping_word=output.stopper.matched,
+        )
+
+    def _sampled_tokens(self, plan, sampling, logits: RequestLogits):
+        """llama-cpp-python's token generator for the plan's tokens, with the
+        request's sampling (its end closes it)."""
+        # Read when the generator makes its sampler chain, at the first token.
+        self.llama.logit_bias = logits.native_bias
+        return self.llama.generate(
+            plan.tokens,
+            reset=plan.reset,
+            temp=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            min_p=sampling.min_p,
+            repeat_penalty=sampling.repeat_penalty,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            logits_processor=logits.processor_list(),
         )
 
     def warm_up(self) -> None:
