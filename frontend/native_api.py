@@ -25,7 +25,7 @@ import importlib.metadata
 
 import falcon
 
-from frontend import openai_schema
+from frontend import model_code, openai_schema
 from frontend.broker_link import BrokerLink
 from frontend.errors import ApiError, BadRequest
 from frontend.generation import collect, start_request_job
@@ -66,17 +66,11 @@ def _builder(gate: PromptGate | None):
     return gate.builder()
 
 
-def _too_long(where: str, n_tokens: int, n_ctx: int) -> BadRequest:
-    return BadRequest(f"the prompt is {n_tokens} tokens; the context holds {n_ctx}",
-                      param=where, code="context_length_exceeded")
-
 
 def tokenize_parts(builder, parts: str | list[PromptPart], *, add_special: bool,
                    parse_special: bool, limit: int, where: str) -> list[int]:
     """llama.cpp's ``tokenize_mixed``: texts are tokenised in place, ids kept;
     only a text at the very start gets the BOS."""
-    from workers.model.prompting import PromptTooLong
-
     if isinstance(parts, str):
         parts = [parts]
     tokens: list[int] = []
@@ -88,9 +82,8 @@ def tokenize_parts(builder, parts: str | list[PromptPart], *, add_special: bool,
                     parse_special=parse_special, limit=limit)
             else:
                 tokens.append(part)
-    except PromptTooLong as exc:
-        raise BadRequest(str(exc), param=where,
-                         code="context_length_exceeded") from None
+    except model_code.PromptTooLong as exc:
+        raise model_code.prompt_too_long(exc, where) from None
     bad = next((t for t in tokens if not builder.valid_token(t)), None)
     if bad is not None:
         raise BadRequest(f"'{where}': token {bad} is out of the vocabulary",
@@ -135,7 +128,7 @@ class NativeCompletionResource:
             tokens = tokenize_parts(_builder(self.gate), prompt, add_special=True,
                                     parse_special=True, limit=n_ctx, where="prompt")
         if len(tokens) >= n_ctx:
-            raise _too_long("prompt", len(tokens), n_ctx)
+            raise model_code.context_exceeded(len(tokens), n_ctx, "prompt")
         text = ""
         if self.gate is not None:
             builder = self.gate.builder()
@@ -145,16 +138,8 @@ class NativeCompletionResource:
         return dataclasses.replace(parsed, generation=generation), len(tokens), text
 
     def _infill_tokens(self, parsed: NativeRequest, body: dict) -> list[int]:
-        from workers.model.infill import (
-            ExtraChunk,
-            NoFimTokens,
-            fim_problem,
-            infill_tokens,
-        )
-        from workers.model.prompting import PromptTooLong
-
         builder = _builder(self.gate)
-        problem = fim_problem(builder)
+        problem = model_code.fim_problem(builder)
         if problem is not None:
             # llama.cpp's words, checked before the infill fields as there; it
             # answers 501, the pool 400 (issue 11): the server implements
@@ -164,16 +149,15 @@ class NativeCompletionResource:
         if not isinstance(parsed.prompt, str):
             raise BadRequest('"prompt" must be a string', param="prompt")
         try:
-            return infill_tokens(
+            return model_code.infill_tokens(
                 builder, given.prefix, given.suffix, parsed.prompt,
-                [ExtraChunk(text, name) for text, name in given.extra],
+                [model_code.ExtraChunk(text, name) for text, name in given.extra],
                 limit=self.settings.n_ctx)
-        except NoFimTokens as exc:
+        except model_code.NoFimTokens as exc:
             raise BadRequest(str(exc), param="model",
                              code="infill_not_supported") from None
-        except PromptTooLong as exc:
-            raise BadRequest(str(exc), param="input_prefix",
-                             code="context_length_exceeded") from None
+        except model_code.PromptTooLong as exc:
+            raise model_code.prompt_too_long(exc, "input_prefix") from None
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         s = self.settings
@@ -258,15 +242,13 @@ class ApplyTemplateResource:
         self.gate = gate
 
     def on_post(self, req, resp) -> None:
-        from workers.model.prompting import PromptError
-
         body = read_json_body(req, self.settings.max_body_bytes)
         # The whole chat body is checked as the chat endpoint checks it.
         parsed = openai_schema.parse_chat(body)
         builder = _builder(self.gate)
         try:
             rendered = builder.render_chat(parsed.generation.messages)
-        except PromptError as exc:
+        except model_code.PromptError as exc:
             raise BadRequest(f"cannot render messages: {exc}",
                              param="messages") from None
         resp.media = {"prompt": rendered.prompt}

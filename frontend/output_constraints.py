@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from frontend import model_code
 from frontend.errors import BadRequest
 
 #: ``response_format.type`` values, as OpenAI and llama.cpp name them.
@@ -45,8 +46,6 @@ def _schema_of_response_format(fmt: Any) -> tuple[Any, str] | None:
 
 def grammar_of(body: dict) -> str:
     """The GBNF the output must match, or "" for free text."""
-    from workers.model.grammar import GrammarError, check_gbnf, schema_to_gbnf
-
     schema, param = None, None
     if body.get("json_schema") is not None:
         schema, param = body["json_schema"], "json_schema"
@@ -65,11 +64,11 @@ def grammar_of(body: dict) -> str:
                          param="grammar")
     try:
         if schema is not None:
-            return schema_to_gbnf(schema)
+            return model_code.schema_to_gbnf(schema)
         if grammar:
-            check_gbnf(grammar)
+            model_code.check_gbnf(grammar)
             return grammar
-    except GrammarError as exc:
+    except model_code.GrammarError as exc:
         raise BadRequest(f"'{param or 'grammar'}': {exc}",
                          param=param or "grammar") from None
     return ""

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from frontend.errors import BadRequest, ContextSizeExceeded
-from protocol.errors import ErrorCode, context_exceeded_message
+from frontend import model_code
+from frontend.errors import BadRequest
+from protocol.errors import ErrorCode
 from protocol.payloads import CHAT, GenerationRequest
 
 
@@ -39,9 +40,7 @@ class PromptGate:
         if self._builder is None:
             with self._lock:
                 if self._builder is None:
-                    from workers.model.prompting import PromptBuilder
-
-                    self._builder = PromptBuilder.vocab_only(
+                    self._builder = model_code.PromptBuilder.vocab_only(
                         self.model_path, self.chat_format
                     )
         return self._builder
@@ -49,26 +48,18 @@ class PromptGate:
     def check(self, generation: GenerationRequest) -> GenerationRequest:
         """The request with ``prompt_tokens`` (and the chat format's stop
         strings) attached; raise 400 if the prompt cannot fit."""
-        from workers.model.prompting import (
-            PromptError,
-            PromptTooLong,
-            ToolsUnsupported,
-        )
-
         try:
             # Refused by its size before tokenising, or as soon as the
             # tokens so far fill the context (``workers.model.tokenizing``).
             tokens, stops = self._prompts().tokens(generation, limit=self.n_ctx)
-        except ToolsUnsupported as exc:
+        except model_code.ToolsUnsupported as exc:
             raise BadRequest(str(exc), param="tools",
                              code=str(ErrorCode.TOOLS_UNSUPPORTED)) from None
-        except PromptError as exc:
+        except model_code.PromptError as exc:
             raise BadRequest(f"cannot render messages: {exc}",
                              param="messages") from None
-        except PromptTooLong as exc:
+        except model_code.PromptTooLong as exc:
             param = "messages" if generation.kind == CHAT else "prompt"
-            raise ContextSizeExceeded(
-                context_exceeded_message(exc.at_least, exc.n_ctx, exc.exact),
-                exc.at_least, exc.n_ctx, param=param) from None
+            raise model_code.prompt_too_long(exc, param) from None
         return dataclasses.replace(generation, prompt_tokens=tokens,
                                    extra_stops=stops)

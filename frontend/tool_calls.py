@@ -32,6 +32,7 @@ import re
 import uuid
 from typing import Any
 
+from frontend import model_code
 from frontend.errors import BadRequest
 
 #: At most this many tools per request (OpenAI allows 128).
@@ -96,8 +97,6 @@ def _chosen_name(choice: Any, names: list[str]) -> str | None:
 
 def call_grammar(functions: list[dict]) -> str:
     """GBNF for exactly one ``<tool_call>`` of one of ``functions``."""
-    from workers.model.grammar import GrammarError, schema_to_gbnf
-
     alternatives = [{
         "type": "object",
         "properties": {
@@ -108,8 +107,8 @@ def call_grammar(functions: list[dict]) -> str:
     } for fn in functions]
     schema = alternatives[0] if len(alternatives) == 1 else {"oneOf": alternatives}
     try:
-        gbnf = schema_to_gbnf(schema)
-    except GrammarError as exc:
+        gbnf = model_code.schema_to_gbnf(schema)
+    except model_code.GrammarError as exc:
         raise BadRequest(f"'tools': a function's parameters: {exc}",
                          param="tools") from None
     # The converter's root is the JSON call; wrap it in the call markers.

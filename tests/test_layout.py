@@ -34,6 +34,8 @@ ALLOWED = {
 FRONTEND_USES_WORKERS = {"workers.broker.metrics", "workers.model.prompting",
                          "workers.model.grammar", "workers.model.infill",
                          "workers.broker.llamacpp_metrics"}
+#: ... and the one frontend module that imports ``workers.model``.
+FRONTEND_MODEL_DOOR = "frontend/model_code.py"
 
 
 def package_of(path: Path) -> str:
@@ -66,6 +68,10 @@ def test_imports_run_one_way(path):
         if name == own or name.startswith(own + "."):
             continue
         if own == "frontend" and name in FRONTEND_USES_WORKERS:
+            assert not name.startswith("workers.model") or str(
+                path.relative_to(ROOT)) == FRONTEND_MODEL_DOOR, (
+                f"{path.relative_to(ROOT)} imports {name}: the frontend reaches "
+                f"the model code through {FRONTEND_MODEL_DOOR} only")
             continue
         assert name.split(".")[0] in ALLOWED[own], (
             f"{path.relative_to(ROOT)} imports {name}")

@@ -245,6 +245,22 @@ def test_a_prompt_longer_than_the_context_is_refused(whole_pool):
     assert error["code"] == "context_length_exceeded"
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/completion", {"prompt": [300] * 2048}, "prompt"),
+    ("/completion", {"prompt": "hello " * 3000}, "prompt"),
+    ("/v1/completions", {"prompt": "hello " * 3000}, "prompt"),
+])
+def test_a_prompt_too_long_has_one_shape_on_every_endpoint(whole_pool, path, body,
+                                                           param):
+    """llama.cpp's body, with both sizes, wherever the frontend finds the
+    prompt too long (the native endpoints answered a plain
+    ``invalid_request_error`` without the sizes)."""
+    error = _error(_post(whole_pool, path, body), 400)
+    assert (error["type"], error["code"], error["param"]) == (
+        "exceed_context_size_error", "context_length_exceeded", param)
+    assert error["n_ctx"] == 2048 and error["n_prompt_tokens"] >= 2048
+
+
 # --- id_slot ----------------------------------------------------------------------
 
 
@@ -349,6 +365,12 @@ def test_infill_lays_out_the_fim_prompt(fim_pool):
     assert out["tokens_predicted"] == len(out["tokens"]) <= 3
     missing = _post(fim_pool, "/infill", {"input_suffix": "x"})
     assert _error(missing, 400)["param"] == "input_prefix"
+    # Too long: llama.cpp's body with both sizes, as on every endpoint.
+    error = _error(_post(fim_pool, "/infill", {"input_prefix": "hello " * 3000,
+                                               "input_suffix": "x"}), 400)
+    assert (error["type"], error["param"]) == ("exceed_context_size_error",
+                                               "input_prefix")
+    assert error["n_ctx"] == 2048 and error["n_prompt_tokens"] >= 2048
     fim_pool.assert_whole()
 
 
