@@ -148,7 +148,8 @@ class Child:
             log.warning("%s (held) stand-in exited: %s", self.name, how)
             self.restart_at = now + self.backoff_s
             return
-        self.crashes += 1
+        # A clean exit (0: someone stopped it) is restarted but is no crash.
+        self.crashes += code != 0
         if self.role == "worker" and self.crashes >= HOLD_AFTER_CRASHES:
             self.held = (f"{self.name} held after {self.crashes} crashes in a "
                          f"row; last: {how}")
@@ -162,11 +163,13 @@ class Child:
             return
         log.warning("%s (pid %d) %s; restarting in %.0fs", self.name,
                     self.proc.pid, how, self.backoff_s)
-        if self.role == "worker":
+        if self.role == "worker" and code != 0:
             # Told to the broker while the new run loads (``/health``).
             self.env["LLAMAPOOL_LAST_FAILURE"] = (
                 f"{self.name} {how} (restart {self.crashes} of "
                 f"{HOLD_AFTER_CRASHES - 1} before it is held)")
+        else:
+            self.env.pop("LLAMAPOOL_LAST_FAILURE", None)
         self.restart_at = now + self.backoff_s
         self.backoff_s = min(RESTART_BACKOFF_MAX_S, self.backoff_s * 2)
 

@@ -129,3 +129,50 @@ def test_a_held_worker_is_shown_failed_and_is_no_slot():
     snap = ledger.snapshot(0.0, {}, PoolStats().totals())
     assert [s.failure for s in snap.slots] == [
         "worker-0 killed by SIGSEGV during warm-up", "worker-1 held after 5 crashes"]
+
+
+class _Exited:
+    """A child process that has already exited with ``returncode``."""
+
+    pid = 4242
+
+    def __init__(self, returncode: int) -> None:
+        self.returncode = returncode
+
+    def poll(self) -> int:
+        return self.returncode
+
+
+def _run_child(exits: list[int]):
+    """``llamapool up``'s supervision of one worker whose runs end with
+    ``exits`` in turn, each as soon as it starts; returns the child."""
+    from llamapool.supervisor import Child
+
+    child = Child("worker-0", "worker", ["unused"])
+    runs = iter(exits)
+
+    def start() -> None:
+        child.proc = _Exited(next(runs))
+        child.started_at = now[0]
+
+    child.start = start
+    now = [0.0]
+    child.start()
+    while child.held is None and child.restarts < len(exits) - 1:
+        child.check(now[0])
+        now[0] += 40.0  # past any backoff, short of a healthy run
+    child.check(now[0])  # the last run's exit
+    return child
+
+
+def test_up_holds_a_worker_after_five_crashes_in_a_row():
+    child = _run_child([-11] * 5 + [0] * 5)
+    assert child.held is not None and child.held.startswith(
+        "worker-0 held after 5 crashes in a row; last: killed by SIGSEGV")
+    assert child.env["LLAMAPOOL_HELD"] == "1"
+
+
+def test_clean_exits_are_restarted_but_never_held():
+    child = _run_child([0] * 12)
+    assert child.held is None and child.crashes == 0
+    assert "LLAMAPOOL_LAST_FAILURE" not in child.env
