@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgpack
 
@@ -49,12 +49,10 @@ from protocol.payloads import (
 )
 from protocol.prompt_cache import PromptCacheStatus
 from protocol.records import (
+    COUNT,
     Count,
-    Kind,
-    ListOf,
     MalformedMessage,
     OneOf,
-    Optional,
     Text,
     WireRecord,
     wire_record,
@@ -76,13 +74,8 @@ PROTOCOL_HEADER = b"LLAMAPOOL05"
 MAX_BODY_BYTES = limits.MAX_FRAME_FROM_BROKER
 
 
-# Field kinds (``protocol.records``): scalars as tuples of accepted types.
-_STR = (str,)
-_INT = (int,)
-_NUM = (int, float)
-_MAP = (dict,)
-_COUNT = Count()
-# Strings the broker keeps (``protocol.limits``).
+# Kinds for ``Annotated`` fields (``protocol.records``): the strings the broker
+# keeps, each with its cap (``protocol.limits``), and thread counts.
 _HOST = Text(limits.MAX_HOST_CHARS)
 _NAME = Text(limits.MAX_NAME_CHARS)
 _ID = Text(limits.MAX_ID_CHARS)
@@ -108,16 +101,15 @@ class Message(WireRecord):
 _BY_COMMAND: dict[bytes, type[Message]] = {}
 
 
-def _register(command: int, body_limits: limits.BodyLimits = limits.SMALL,
-              **field_types: Kind):
-    """Class decorator: bind a command byte, its size limits and the accepted
-    field kinds."""
+def _register(command: int, body_limits: limits.BodyLimits = limits.SMALL):
+    """Class decorator: make a ``wire_record`` of the class (its annotations
+    are its field kinds) and bind a command byte and its size limits."""
 
     def wrap(cls: type[Message]) -> type[Message]:
         if bytes([command]) in _BY_COMMAND:  # two messages, one byte: a bug
             raise TypeError(f"command 0x{command:02x} is already "
                             f"{_BY_COMMAND[bytes([command])].__name__}")
-        cls = wire_record(**field_types)(cls)
+        cls = wire_record(cls)
         cls.COMMAND = bytes([command])
         cls.LIMITS = body_limits
         cls._UNPACK_KW = {"raw": False, "strict_map_key": True,
@@ -131,9 +123,7 @@ def _register(command: int, body_limits: limits.BodyLimits = limits.SMALL,
 # --- registration and liveness ---------------------------------------------
 
 
-@_register(0x01, worker_name=_NAME, model=_NAME, n_ctx=_INT, pid=_INT,
-           host=_HOST, engine=_NAME, pool_cores=_POOL_CORES, gpu=GpuPlacement,
-           repack=_REASON)
+@_register(0x01)
 class Ready(Message):
     """Worker -> broker: the model is loaded and this worker is idle.
 
@@ -142,21 +132,20 @@ class Ready(Message):
     thread count, never told anything.
     """
 
-    worker_name: str
-    model: str
+    worker_name: Annotated[str, _NAME]
+    model: Annotated[str, _NAME]
     n_ctx: int
     pid: int
-    host: str
-    engine: str = "llama.cpp"
-    pool_cores: int = 0
+    host: Annotated[str, _HOST]
+    engine: Annotated[str, _NAME] = "llama.cpp"
+    pool_cores: Annotated[int, _POOL_CORES] = 0
     #: Where the model's layers are (``--gpu-layers``, ``CUDA_VISIBLE_DEVICES``).
     gpu: GpuPlacement = dataclasses.field(default_factory=GpuPlacement)
     #: Whether llama.cpp repacked the weights, and why (``--repack``).
-    repack: str = ""
+    repack: Annotated[str, _REASON] = ""
 
 
-@_register(0x05, worker_name=_NAME, model=_NAME, pid=_INT, host=_HOST,
-           failure=_REASON, held=(bool,))
+@_register(0x05)
 class Loading(Message):
     """Worker -> broker: I exist and am loading ``model``; no jobs yet.
 
@@ -165,23 +154,23 @@ class Loading(Message):
     it after a crash loop, and this process only says so (it loads nothing).
     """
 
-    worker_name: str
-    model: str
+    worker_name: Annotated[str, _NAME]
+    model: Annotated[str, _NAME]
     pid: int
-    host: str
-    failure: str = ""
+    host: Annotated[str, _HOST]
+    failure: Annotated[str, _REASON] = ""
     held: bool = False
 
 
-@_register(0x02, pid=_INT, host=_HOST)
+@_register(0x02)
 class Hello(Message):
     """Frontend -> broker: register this frontend process."""
 
     pid: int
-    host: str
+    host: Annotated[str, _HOST]
 
 
-@_register(0x03, progress=Optional(JobProgress))
+@_register(0x03)
 class Heartbeat(Message):
     """Any direction. A busy worker attaches its job's live progress; an idle
     worker, the broker and frontends send none."""
@@ -189,34 +178,33 @@ class Heartbeat(Message):
     progress: JobProgress | None = None
 
 
-@_register(0x06, n_threads=_THREADS)
+@_register(0x06)
 class Threads(Message):
     """Broker -> ``--threads auto`` worker: use ``n_threads`` llama.cpp threads
     from the next decode on (its share of its host's pool cores among the
     busy workers there; ``workers.broker.thread_budget``)."""
 
-    n_threads: int
+    n_threads: Annotated[int, _THREADS]
 
 
-@_register(0x07, n_threads=_THREADS)
+@_register(0x07)
 class ThreadsSet(Message):
     """``--threads auto`` worker -> broker: from its next decode on it uses
     ``n_threads`` threads (the answer to THREADS, sent once applied). The
     broker holds a new job's SUBMIT until the running workers on its host
     have stepped down (``workers.broker.step_down``)."""
 
-    n_threads: int
+    n_threads: Annotated[int, _THREADS]
 
 
-@_register(0x04, reason=_REASON)
+@_register(0x04)
 class Disconnect(Message):
     """Broker -> peer: I do not know you (any more); register again."""
 
-    reason: str
+    reason: Annotated[str, _REASON]
 
 
-@_register(0x08, limits.CACHE_REPORT,
-           states=ListOf(ListOf(_INT)), status=PromptCacheStatus)
+@_register(0x08, limits.CACHE_REPORT)
 class CacheReport(Message):
     """Worker -> broker: the prompt states it can serve without prefill.
 
@@ -234,8 +222,7 @@ class CacheReport(Message):
 # --- jobs --------------------------------------------------------------------
 
 
-@_register(0x10, limits.SUBMIT, job_id=_ID, request=GenerationRequest,
-           prefix_blocks=ListOf(_INT), id_slot=_INT)
+@_register(0x10, limits.SUBMIT)
 class Submit(Message):
     """Frontend -> broker -> worker: run one generation.
 
@@ -249,13 +236,13 @@ class Submit(Message):
     other value is the one slot (as ``/slots`` numbers them) the job must get.
     """
 
-    job_id: str
+    job_id: Annotated[str, _ID]
     request: GenerationRequest
     prefix_blocks: list[int] = dataclasses.field(default_factory=list)
     id_slot: int = -1
 
 
-@_register(0x11, job_id=_STR, slot_id=_INT, model=_STR)
+@_register(0x11)
 class Accepted(Message):
     """Broker -> frontend: the job holds slot ``slot_id`` of a ``model`` worker."""
 
@@ -264,7 +251,7 @@ class Accepted(Message):
     model: str = ""
 
 
-@_register(0x12, job_id=_STR, retry_after_s=_NUM)
+@_register(0x12)
 class NoSlot(Message):
     """Broker -> frontend: every slot is busy; try again after the hint."""
 
@@ -272,7 +259,7 @@ class NoSlot(Message):
     retry_after_s: float
 
 
-@_register(0x13, job_id=_STR, broken=_REASON)
+@_register(0x13)
 class Cancel(Message):
     """Frontend -> broker -> worker: stop this job at the next token.
 
@@ -285,10 +272,10 @@ class Cancel(Message):
     """
 
     job_id: str
-    broken: str = ""
+    broken: Annotated[str, _REASON] = ""
 
 
-@_register(0x14, job_id=_STR, frames=_INT)
+@_register(0x14)
 class Credit(Message):
     """Frontend -> broker -> worker: the client consumed ``frames`` frames."""
 
@@ -296,9 +283,7 @@ class Credit(Message):
     frames: int
 
 
-@_register(0x15, limits.JOB_FRAME, job_id=_STR, text=_STR, n_tokens=_INT,
-           logprobs=ListOf(TokenLogprob), timings=Optional(Timings),
-           embedding=(bytes,))
+@_register(0x15, limits.JOB_FRAME)
 class Token(Message):
     """Worker -> broker -> frontend: new output text covering ``n_tokens``.
 
@@ -340,9 +325,7 @@ class FinishReason(str, enum.Enum):
 FINISH_REASONS = tuple(reason.value for reason in FinishReason)
 
 
-@_register(0x16, limits.JOB_FRAME, job_id=_STR,
-           finish_reason=OneOf(*FINISH_REASONS), usage=Usage, timings=Timings,
-           text=_STR, logprobs=ListOf(TokenLogprob), stopping_word=_STR)
+@_register(0x16, limits.JOB_FRAME)
 class Final(Message):
     """Terminal frame: the job ended with ``finish_reason``.
 
@@ -355,7 +338,7 @@ class Final(Message):
     """
 
     job_id: str
-    finish_reason: str
+    finish_reason: Annotated[str, OneOf(*FINISH_REASONS)]
     usage: Usage
     timings: Timings
     text: str = ""
@@ -363,8 +346,7 @@ class Final(Message):
     stopping_word: str = ""
 
 
-@_register(0x17, limits.JOB_FRAME, job_id=_STR, code=_STR, message=_REASON,
-           n_prompt_tokens=_COUNT, n_ctx=_COUNT)
+@_register(0x17, limits.JOB_FRAME)
 class Error(Message):
     """Terminal frame: the job failed.
 
@@ -377,22 +359,22 @@ class Error(Message):
 
     job_id: str
     code: str
-    message: str
-    n_prompt_tokens: int = 0
-    n_ctx: int = 0
+    message: Annotated[str, _REASON]
+    n_prompt_tokens: Annotated[int, COUNT] = 0
+    n_ctx: Annotated[int, COUNT] = 0
 
 
 # --- introspection -------------------------------------------------------------
 
 
-@_register(0x20, request_id=_ID)
+@_register(0x20)
 class Status(Message):
     """Frontend (or any tool) -> broker: send me the ledger."""
 
-    request_id: str
+    request_id: Annotated[str, _ID]
 
 
-@_register(0x21, limits.STATUS_REPLY, request_id=_STR, snapshot=PoolStatus)
+@_register(0x21, limits.STATUS_REPLY)
 class StatusReply(Message):
     """Broker -> asker: the ledger and the pool's totals (``Broker.snapshot``)."""
 

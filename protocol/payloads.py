@@ -5,9 +5,11 @@ defaults were written once in the frontend's parser and again in the engine's
 ``.get("temperature", 0.8)`` calls (free to drift apart), and a heartbeat's
 progress went into the broker's ledger unchecked, where a string in place of
 a number crashed the broker's loop on the next STATUS or NO_SLOT. Each is now
-a ``WireRecord``: a frozen dataclass whose defaults are the only defaults,
-checked field by field at the socket edge (``protocol.records``) like the
-messages that carry it.
+a ``WireRecord`` (``protocol.records``), declared once as a frozen dataclass:
+its defaults are the only defaults, and each field's annotation is also what
+the socket edge accepts for it, as for the messages that carry it. A plain
+``int`` or ``list[str]`` is checked as that type; a range, a length cap or a
+closed set goes in ``Annotated`` (``Annotated[int, COUNT]``: a token count).
 
 * ``GenerationRequest`` (with ``Sampling`` and ``ChatMessage``): built by the
   frontend from the OpenAI body (``frontend.openai_schema``), run by an engine
@@ -28,29 +30,19 @@ messages that carry it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
 from protocol import limits
 from protocol.prompt_cache import PromptCacheStatus
 from protocol.records import (
-    Count,
-    Finite,
-    ListOf,
-    MapOf,
-    NonNegative,
+    COUNT,
+    FINITE,
+    NON_NEGATIVE,
     OneOf,
-    Optional,
     Text,
     WireRecord,
     wire_record,
 )
-
-_STR = (str,)
-_INT = (int,)
-_NUM = (int, float)
-_BOOL = (bool,)
-_COUNT = Count()
-_NON_NEGATIVE = NonNegative()
-_FINITE = Finite()
 
 #: Most alternatives per generated token that ``logprobs`` may ask for
 #: (OpenAI's ``top_logprobs`` limit); the worker clamps to it too.
@@ -67,11 +59,11 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # --- the generation request ---------------------------------------------------
 
 
-@wire_record(role=OneOf(*CHAT_ROLES), content=_STR)
+@wire_record
 class ChatMessage(WireRecord):
     """One chat turn; multi-part content was joined into text by the frontend."""
 
-    role: str
+    role: Annotated[str, OneOf(*CHAT_ROLES)]
     content: str
 
     def as_dict(self) -> dict:
@@ -79,7 +71,7 @@ class ChatMessage(WireRecord):
         return {"role": self.role, "content": self.content}
 
 
-@wire_record(token=Optional(_INT), piece=_STR, bias=_FINITE, never=_BOOL)
+@wire_record
 class LogitBias(WireRecord):
     """One ``logit_bias`` entry: a token id, or a text whose every token is
     biased (llama.cpp's string keys; the worker tokenises it). ``never``
@@ -87,13 +79,11 @@ class LogitBias(WireRecord):
 
     token: int | None = None
     piece: str = ""
-    bias: float = 0.0
+    bias: Annotated[float, FINITE] = 0.0
     never: bool = False
 
 
-@wire_record(temperature=_NUM, top_p=_NUM, top_k=_INT, min_p=_NUM,
-             repeat_penalty=_NUM, presence_penalty=_NUM, frequency_penalty=_NUM,
-             seed=Optional(_INT), ignore_eos=_BOOL, logit_bias=ListOf(LogitBias))
+@wire_record
 class Sampling(WireRecord):
     """How the next token is chosen. These defaults are the pool's defaults:
     llama.cpp's server's, which the frontend applies by leaving a field out."""
@@ -113,7 +103,7 @@ class Sampling(WireRecord):
     logit_bias: list[LogitBias] = dataclasses.field(default_factory=list)
 
 
-@wire_record(text=_STR, tokens=Optional(ListOf(_INT)))
+@wire_record
 class EmbeddingInput(WireRecord):
     """One input of an embedding request: text for the worker to tokenise
     (with BOS and special tokens, as llama.cpp's server does), or token ids."""
@@ -122,13 +112,7 @@ class EmbeddingInput(WireRecord):
     tokens: list[int] | None = None
 
 
-@wire_record(kind=OneOf(COMPLETION, CHAT, EMBEDDING), prompt=_STR,
-             messages=ListOf(ChatMessage), max_tokens=Optional(_INT),
-             sampling=Sampling, stop=ListOf(_STR),
-             prompt_tokens=Optional(ListOf(_INT)), extra_stops=ListOf(_STR),
-             grammar=_STR, logprobs=Optional(_INT), timings_per_token=_BOOL,
-             tools=_STR, inputs=ListOf(EmbeddingInput), embd_normalize=_INT,
-             dimensions=Optional(_INT), cache_prompt=_BOOL)
+@wire_record
 class GenerationRequest(WireRecord):
     """One generation, as validated at the HTTP door (``frontend.openai_schema``).
 
@@ -139,7 +123,7 @@ class GenerationRequest(WireRecord):
     checked against the vocabulary by the worker, which knows it.
     """
 
-    kind: str
+    kind: Annotated[str, OneOf(COMPLETION, CHAT, EMBEDDING)]
     prompt: str = ""
     messages: list[ChatMessage] = dataclasses.field(default_factory=list)
     #: None: until the context is full.
@@ -177,33 +161,31 @@ class GenerationRequest(WireRecord):
 # --- log-probabilities of generated tokens (TOKEN, FINAL) -------------------------
 
 
-@wire_record(id=_INT, piece=(bytes,), logprob=_FINITE)
+@wire_record
 class TokenCandidate(WireRecord):
     """A token and its log-probability under the model's raw distribution;
     ``piece`` is its bytes (possibly part of a UTF-8 character)."""
 
     id: int
     piece: bytes
-    logprob: float
+    logprob: Annotated[float, FINITE]
 
 
-@wire_record(id=_INT, piece=(bytes,), logprob=_FINITE, top=ListOf(TokenCandidate))
+@wire_record
 class TokenLogprob(WireRecord):
     """A generated token, its log-probability and the most likely alternatives
     (most likely first)."""
 
     id: int
     piece: bytes
-    logprob: float
+    logprob: Annotated[float, FINITE]
     top: list[TokenCandidate] = dataclasses.field(default_factory=list)
 
 
 # --- live progress ---------------------------------------------------------------
 
 
-@wire_record(job_id=_STR, n_prompt=_COUNT, n_generated=_COUNT,
-             max_tokens=_COUNT, tokens_per_s=_NON_NEGATIVE, n_ctx_used=_COUNT,
-             pause_ends_in_s=Optional(_NON_NEGATIVE), n_threads=_COUNT)
+@wire_record
 class JobProgress(WireRecord):
     """A busy worker's progress on ``job_id``, sent with every heartbeat.
 
@@ -212,35 +194,34 @@ class JobProgress(WireRecord):
     """
 
     job_id: str
-    n_prompt: int = 0
-    n_generated: int = 0
+    n_prompt: Annotated[int, COUNT] = 0
+    n_generated: Annotated[int, COUNT] = 0
     #: The token budget after clamping to the context (not the request's).
-    max_tokens: int = 0
-    tokens_per_s: float = 0.0
-    n_ctx_used: int = 0
+    max_tokens: Annotated[int, COUNT] = 0
+    tokens_per_s: Annotated[float, NON_NEGATIVE] = 0.0
+    n_ctx_used: Annotated[int, COUNT] = 0
     #: None while generating. A number while the job is paused because its
     #: client is not reading (no credit): the worker cancels the job in that
     #: many seconds (its stall timeout) unless the client reads again. The
     #: broker's Retry-After counts it: a paused slot is not about to be free.
-    pause_ends_in_s: float | None = None
+    pause_ends_in_s: Annotated[float, NON_NEGATIVE] | None = None
     #: llama.cpp threads the job decodes with now (0: not reported, e.g. the
     #: synthetic engine). Changes mid-job under ``--threads auto``.
-    n_threads: int = 0
+    n_threads: Annotated[int, COUNT] = 0
 
 
 # --- what a finished job cost (FINAL) -------------------------------------------
 
 
-@wire_record(prompt_tokens=_COUNT, completion_tokens=_COUNT, total_tokens=_COUNT,
-             cached_tokens=_COUNT)
+@wire_record
 class Usage(WireRecord):
     """OpenAI's ``usage``: tokens in, out, and reused from the KV cache."""
 
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
+    prompt_tokens: Annotated[int, COUNT]
+    completion_tokens: Annotated[int, COUNT]
+    total_tokens: Annotated[int, COUNT]
     #: Prompt tokens the worker's KV cache already held (not computed again).
-    cached_tokens: int = 0
+    cached_tokens: Annotated[int, COUNT] = 0
 
     def public(self) -> dict:
         """The ``usage`` object of an OpenAI response."""
@@ -252,9 +233,7 @@ class Usage(WireRecord):
         }
 
 
-@wire_record(prompt_n=_COUNT, prompt_ms=_NON_NEGATIVE, predicted_n=_COUNT,
-             predicted_ms=_NON_NEGATIVE, predicted_per_second=_NON_NEGATIVE,
-             cache_n=_COUNT)
+@wire_record
 class Timings(WireRecord):
     """llama.cpp's server's ``timings``: prompt evaluation and generation.
 
@@ -264,14 +243,14 @@ class Timings(WireRecord):
     them so far when the request asked (``timings_per_token``).
     """
 
-    prompt_n: int
-    prompt_ms: float
-    predicted_n: int
-    predicted_ms: float
+    prompt_n: Annotated[int, COUNT]
+    prompt_ms: Annotated[float, NON_NEGATIVE]
+    predicted_n: Annotated[int, COUNT]
+    predicted_ms: Annotated[float, NON_NEGATIVE]
     #: Kept on the wire for older peers; ``public`` derives it from n and ms.
-    predicted_per_second: float = 0.0
+    predicted_per_second: Annotated[float, NON_NEGATIVE] = 0.0
     #: Prompt tokens the KV cache already held (llama.cpp's ``cache_n``).
-    cache_n: int = 0
+    cache_n: Annotated[int, COUNT] = 0
 
     def public(self) -> dict:
         """The ``timings`` object of a response: llama.cpp's nine fields.
@@ -307,8 +286,7 @@ def _per_second(n: int, ms: float) -> float:
 # --- pool status (the STATUS reply) -------------------------------------------------
 
 
-@wire_record(layers_requested=_INT, layers_offloaded=_COUNT,
-             devices=Text(limits.MAX_NAME_CHARS))
+@wire_record
 class GpuPlacement(WireRecord):
     """Where a worker's model layers are (``/slots``).
 
@@ -319,16 +297,11 @@ class GpuPlacement(WireRecord):
     """
 
     layers_requested: int = 0
-    layers_offloaded: int = 0
-    devices: str = ""
+    layers_offloaded: Annotated[int, COUNT] = 0
+    devices: Annotated[str, Text(limits.MAX_NAME_CHARS)] = ""
 
 
-@wire_record(id=_INT, state=_STR, id_task=Optional(_STR), worker_name=_STR,
-             host=_STR, pid=_INT, model=_STR, engine=_STR, n_ctx=_INT,
-             lease_age_s=Optional(_NUM), lease_taken_at=Optional(_NUM),
-             jobs_served=_INT, progress=Optional(JobProgress),
-             prompt_cache=Optional(PromptCacheStatus), gpu=Optional(GpuPlacement),
-             failure=_STR, repack=_STR)
+@wire_record
 class SlotStatus(WireRecord):
     """One slot (one worker) in the ledger. Never any prompt text: the broker
     does not have it."""
@@ -361,8 +334,7 @@ class SlotStatus(WireRecord):
     repack: str = ""
 
 
-@wire_record(buckets=ListOf(_NUM), cumulative=ListOf(_INT), sum=_NUM, count=_INT,
-             p50=Optional(_NUM), max=Optional(_NUM), recent=ListOf(_NUM))
+@wire_record
 class HistogramSnapshot(WireRecord):
     """A Prometheus-style cumulative histogram, plus its newest observations."""
 
@@ -377,12 +349,7 @@ class HistogramSnapshot(WireRecord):
     recent: list[float]
 
 
-@wire_record(prompt_tokens_total=_INT, tokens_generated_total=_INT,
-             request_success_total=_INT, request_fail_total=_INT,
-             request_cancelled_total=_INT, prompt_seconds_total=_NUM,
-             tokens_seconds_total=_NUM, cancel_release_s=HistogramSnapshot,
-             prompt_tokens_cached_total=_COUNT, n_tokens_max=_INT,
-             n_decode_total=_INT, started_at_unix=_NUM)
+@wire_record
 class PoolTotals(WireRecord):
     """Totals over every job the broker saw end (``workers.broker.pool_stats``)."""
 
@@ -397,7 +364,7 @@ class PoolTotals(WireRecord):
     cancel_release_s: HistogramSnapshot
     #: Prompt tokens served from a KV cache or a restored prompt state
     #: (``prompt_tokens_details.cached_tokens`` summed over every job).
-    prompt_tokens_cached_total: int = 0
+    prompt_tokens_cached_total: Annotated[int, COUNT] = 0
     #: The longest sequence (prompt + generation) any job reached.
     n_tokens_max: int = 0
     #: Model evaluations: one per job whose prompt was computed, plus one
@@ -408,10 +375,7 @@ class PoolTotals(WireRecord):
     started_at_unix: float = 0.0
 
 
-@wire_record(slots=ListOf(SlotStatus), slots_total=_INT, slots_loading=_INT,
-             slots_busy=_INT, slots_free=_INT, kv_cache_usage_level=_NUM,
-             jobs=_INT, frontends=_INT, counters=MapOf(_STR, _INT),
-             stats=PoolTotals, retry_after_s=_NUM)
+@wire_record
 class PoolStatus(WireRecord):
     """The broker's ledger and totals, as one STATUS reply carries them."""
 

@@ -10,13 +10,12 @@ whose report covers the most of the prompt's blocks.
 
 from __future__ import annotations
 
-from protocol.records import Count, WireRecord, wire_record
+from typing import Annotated
 
-_COUNT = Count()
+from protocol.records import COUNT, WireRecord, wire_record
 
 
-@wire_record(states=_COUNT, bytes_used=_COUNT, bytes_limit=_COUNT, hits=_COUNT,
-             misses=_COUNT, evictions=_COUNT, dropped=_COUNT)
+@wire_record
 class PromptCacheStatus(WireRecord):
     """One worker's prompt-state cache, as ``/slots`` shows it.
 
@@ -27,10 +26,10 @@ class PromptCacheStatus(WireRecord):
     were larger than the limit or failed to restore.
     """
 
-    states: int = 0
-    bytes_used: int = 0
-    bytes_limit: int = 0
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    dropped: int = 0
+    states: Annotated[int, COUNT] = 0
+    bytes_used: Annotated[int, COUNT] = 0
+    bytes_limit: Annotated[int, COUNT] = 0
+    hits: Annotated[int, COUNT] = 0
+    misses: Annotated[int, COUNT] = 0
+    evictions: Annotated[int, COUNT] = 0
+    dropped: Annotated[int, COUNT] = 0

@@ -9,19 +9,36 @@ up later in the broker's loop (a heartbeat with a string where a number
 belongs used to do exactly that, in the ledger's KV-cache and Retry-After
 arithmetic on the next STATUS or NO_SLOT).
 
-A field's kind is one of:
+A record is declared once, as a dataclass under ``@wire_record``; each
+field's annotation is also what the socket edge accepts for it (its kind)::
 
-* a tuple of Python types, e.g. ``(str,)`` or ``(int, float)``: a scalar of
-  exactly one of those types as msgpack decodes them, so ``bool`` is never
-  accepted where a number is meant;
-* another ``WireRecord`` class: a nested array, decoded and checked by it;
-* ``ListOf(kind)``, ``MapOf(key_types, value_types)``, ``Optional(kind)`` and
-  ``OneOf(*values)``: containers of those, and a closed set of strings;
-* ``Count()``, ``NonNegative()`` and ``Finite()``: a number whose range is
-  checked too (a token count, a duration, a rate, a log-probability), so NaN,
-  infinity or a negative never reaches arithmetic, JSON or a Prometheus
-  counter.
-* ``Text(max_chars)``: a string of bounded length (``protocol.limits``).
+    @wire_record
+    class JobProgress(WireRecord):
+        job_id: str
+        n_prompt: Annotated[int, COUNT] = 0
+        pause_ends_in_s: Annotated[float, NON_NEGATIVE] | None = None
+
+A plain annotation gives its kind by rule:
+
+* ``str``, ``int``, ``bool``, ``bytes``: a scalar of exactly that type as
+  msgpack decodes it, so ``bool`` is never accepted where a number is meant;
+  ``float``: an int or a float (msgpack keeps ``2`` an int);
+* ``list[X]``: ``ListOf(kind of X)``; ``X | None``: ``Optional(kind of X)``;
+  ``dict[K, V]`` of scalars: ``MapOf`` (open-ended names: counters);
+* another ``WireRecord`` class: a nested array, decoded and checked by it.
+
+A kind that checks more than the type goes in ``Annotated[T, kind]``:
+
+* ``Count()`` (``COUNT``), ``NonNegative()`` (``NON_NEGATIVE``) and
+  ``Finite()`` (``FINITE``): a number whose range is checked too (a token
+  count, a duration, a rate, a log-probability), so NaN, infinity or a
+  negative never reaches arithmetic, JSON or a Prometheus counter;
+* ``Text(max_chars)``: a string of bounded length (``protocol.limits``);
+* ``OneOf(*values)``: a string from a closed set;
+* a tuple of Python types, for a scalar the rule does not give.
+
+The kinds are worked out once, when the class is created (``FIELD_TYPES``,
+and the checks and packers the hot path uses), never per message.
 
 New optional fields go at the end with defaults, so an older peer's shorter
 array still decodes, and a newer peer's extra trailing fields are ignored.
@@ -33,8 +50,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import types
+import typing
 from collections.abc import Callable
-from typing import Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar, Union
 
 
 class MalformedMessage(ValueError):
@@ -201,6 +220,12 @@ class Finite:
         return value
 
 
+#: The range kinds with nothing to narrow, shared: ``Annotated[int, COUNT]``.
+COUNT = Count()
+NON_NEGATIVE = NonNegative()
+FINITE = Finite()
+
+
 Kind = Union[tuple, ListOf, MapOf, Optional, OneOf, Text, Count, NonNegative,
              Finite, "type[WireRecord]"]
 
@@ -224,10 +249,11 @@ def _packer(kind: Kind):
 class WireRecord:
     """Base class: a frozen dataclass that travels as a checked msgpack array.
 
-    Subclasses are declared with ``@wire_record(field=kind, ...)``.
+    Subclasses are declared with ``@wire_record``: each field's annotation
+    gives its kind.
     """
 
-    #: field name -> kind, as declared.
+    #: field name -> kind, in field order, as the annotations give them.
     FIELD_TYPES: ClassVar[dict[str, Kind]]
     # Precomputed by ``wire_record`` so that encoding and decoding a TOKEN
     # (the hot path) costs no reflection.
@@ -285,30 +311,119 @@ def _values_getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:
     return operator.attrgetter(*names)
 
 
-def wire_record(**field_types: Kind):
-    """Class decorator: make a frozen dataclass with these field kinds."""
+def wire_record(cls: type[WireRecord]) -> type[WireRecord]:
+    """Class decorator: make ``cls`` a frozen dataclass whose fields are
+    checked, on the wire, against the kinds their annotations give.
 
-    def wrap(cls: type[WireRecord]) -> type[WireRecord]:
-        cls = dataclasses.dataclass(frozen=True)(cls)
-        fields = dataclasses.fields(cls)
-        names = tuple(f.name for f in fields)
-        if sorted(names) != sorted(field_types):
-            raise TypeError(f"{cls.__name__}: field types do not match fields")
-        cls.FIELD_TYPES = field_types
-        cls._NAMES = names
-        cls._CHECKS = tuple(_checker(field_types[n]) for n in names)
-        cls._VALUES = staticmethod(_values_getter(names))
-        cls._PACK_AT = tuple(
-            (i, pack)
-            for i, pack in enumerate(_packer(field_types[n]) for n in names)
-            if pack is not None
-        )
-        cls._REQUIRED = sum(
-            1
-            for f in fields
-            if f.default is dataclasses.MISSING
-            and f.default_factory is dataclasses.MISSING
-        )
-        return cls
+    Raises:
+        TypeError: an annotation that names nothing defined before the
+            class, or that has no kind.
+    """
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    fields = dataclasses.fields(cls)
+    try:
+        # The module's globals hold every name defined before the class.
+        hints = typing.get_type_hints(cls, include_extras=True)
+    except NameError as exc:
+        raise TypeError(
+            f"{cls.__name__}: cannot resolve its annotations ({exc}); a wire "
+            f"field's type may name only what its module defines before the "
+            f"class") from None
+    field_types = {f.name: _kind_of(hints[f.name], f"{cls.__name__}.{f.name}")
+                   for f in fields}
+    names = tuple(field_types)
+    cls.FIELD_TYPES = field_types
+    cls._NAMES = names
+    cls._CHECKS = tuple(_checker(field_types[n]) for n in names)
+    cls._VALUES = staticmethod(_values_getter(names))
+    cls._PACK_AT = tuple(
+        (i, pack)
+        for i, pack in enumerate(_packer(field_types[n]) for n in names)
+        if pack is not None
+    )
+    cls._REQUIRED = sum(
+        1
+        for f in fields
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    )
+    return cls
 
-    return wrap
+
+#: The kind of each plain scalar annotation. ``float`` takes an int too:
+#: msgpack keeps a whole number an int, whatever the sender meant.
+_SCALAR_KINDS: dict[type, tuple[type, ...]] = {
+    str: (str,),
+    int: (int,),
+    float: (int, float),
+    bool: (bool,),
+    bytes: (bytes,),
+}
+
+#: The one plain type each refined kind narrows, so that a kind cannot
+#: silently contradict its annotation (``Annotated[float | None, FINITE]``
+#: would refuse the None the annotation promises).
+_REFINES: dict[type, type] = {
+    Count: int,
+    NonNegative: float,
+    Finite: float,
+    Text: str,
+    OneOf: str,
+}
+
+_KIND_CLASSES = (ListOf, MapOf, Optional, OneOf, Text, Count, NonNegative, Finite)
+
+
+def _kind_of(annotation: Any, where: str) -> Kind:
+    """The wire kind that a field's resolved annotation declares.
+
+    Raises:
+        TypeError: naming ``where`` (``Class.field``) when there is none.
+    """
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is Annotated:
+        kinds = [m for m in annotation.__metadata__ if _is_kind(m)]
+        if len(kinds) != 1:
+            raise TypeError(f"{where}: Annotated[...] needs exactly one wire "
+                            f"kind, got {len(kinds)}")
+        kind, base = kinds[0], args[0]
+        expected = _REFINES.get(type(kind))
+        if expected is not None and base is not expected:
+            raise TypeError(f"{where}: {type(kind).__name__} refines "
+                            f"{expected.__name__}, not {_shown(base)} (an "
+                            f"optional one is Annotated[{expected.__name__}, "
+                            f"kind] | None)")
+        return kind
+    if origin is typing.Union or origin is types.UnionType:
+        rest = [a for a in args if a is not type(None)]
+        if len(args) == 2 and len(rest) == 1:
+            return Optional(_kind_of(rest[0], where))
+    elif origin is list and len(args) == 1:
+        return ListOf(_kind_of(args[0], f"{where}[]"))
+    elif origin is dict and len(args) == 2:
+        key, value = (_kind_of(a, f"{where}{{}}") for a in args)
+        if isinstance(key, tuple) and isinstance(value, tuple):
+            return MapOf(key, value)
+    elif origin is None and isinstance(annotation, type):
+        if annotation in _SCALAR_KINDS:
+            return _SCALAR_KINDS[annotation]
+        if issubclass(annotation, WireRecord):
+            return annotation
+    raise TypeError(
+        f"{where}: no wire kind for {_shown(annotation)}; use str, int, float, "
+        f"bool, bytes, list[X], X | None, dict of scalars or a WireRecord, or "
+        f"give the kind in Annotated[T, kind]")
+
+
+def _shown(annotation: Any) -> str:
+    return annotation.__name__ if isinstance(annotation, type) else repr(annotation)
+
+
+def _is_kind(value: Any) -> bool:
+    if isinstance(value, _KIND_CLASSES):
+        return True
+    if isinstance(value, type):
+        return issubclass(value, WireRecord)
+    return (isinstance(value, tuple) and bool(value)
+            and all(isinstance(t, type) for t in value))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
 import msgpack
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from protocol import limits, messages
 from protocol.payloads import Timings, Usage
 from protocol.records import (
+    FINITE,
     Count,
     Finite,
     ListOf,
@@ -20,6 +22,8 @@ from protocol.records import (
     OneOf,
     Optional,
     Text,
+    WireRecord,
+    wire_record,
 )
 
 SAMPLE_VALUES = {
@@ -204,9 +208,22 @@ def test_two_messages_cannot_share_a_command_byte():
     """Two branches once both took 0x06; the registry kept the later one and
     the earlier message could no longer be decoded."""
     with pytest.raises(TypeError, match="already"):
-        @messages._register(messages.Threads.COMMAND[0], n_threads=int)
+        @messages._register(messages.Threads.COMMAND[0])
         class Again(messages.Message):
             n_threads: int
+
+
+def test_a_field_whose_annotation_has_no_wire_kind_fails_at_import():
+    """The annotation is the kind: one the rules cannot check is refused
+    when the class is made, naming the field, not at the first message."""
+    with pytest.raises(TypeError, match=r"Loose\.ids"):
+        @wire_record
+        class Loose(WireRecord):
+            ids: set[int]
+    with pytest.raises(TypeError, match=r"Misplaced\.x"):
+        @wire_record
+        class Misplaced(WireRecord):
+            x: Annotated[float | None, FINITE] = None
 
 
 # --- the broker's undecoded TOKEN relay (messages.is_token_of) ---------------
