@@ -1,30 +1,22 @@
-"""Which request fields the server accepts: no field is silently ignored.
+"""Which request fields are accepted without being read: no field is
+silently ignored.
 
-A field of a request body is either implemented (read by
-``frontend.openai_schema``), or accepted with a value that asks for nothing
-(a llama.cpp sampler's "off" value, ``cache_prompt: true`` which is what the
-pool always does), or ignored on purpose and listed in the README. Anything
-else gets a 400 naming it: a client that asks for a sampler, a feature or a
-field we do not have learns so, instead of getting an answer made without it.
+A field of a request body is either implemented (some reader of the
+endpoint's parser read it: ``frontend.request_fields``), or accepted with a
+value that asks for nothing (a llama.cpp sampler's "off" value,
+``cache_prompt: true`` which is what the pool always does), or ignored on
+purpose and listed in docs/api.md. Anything else gets a 400 naming it: a
+client that asks for a sampler, a feature or a field we do not have learns
+so, instead of getting an answer made without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from frontend.errors import BadRequest
-
-#: Read by both endpoints (``frontend.openai_schema``).
-COMMON_FIELDS = frozenset({
-    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-    "n_predict", "temperature", "top_p", "top_k", "min_p", "repeat_penalty",
-    "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "stop", "n",
-    "logit_bias", "grammar", "json_schema", "response_format", "n_probs",
-    "timings_per_token",
-})
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "tools",
-                               "functions", "function_call", "tool_choice"}
 
 #: Accepted and ignored on purpose (docs/api.md, "Request fields"): they ask the
 #: server to record or label a request, which it does not do, and change no
@@ -70,6 +62,29 @@ SETTINGS_OF_A_SAMPLER_THAT_IS_OFF = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class FieldPolicy:
+    """What an endpoint accepts beyond what its parser reads."""
+
+    #: Accepted with any value, and ignored (they change no output).
+    ignored: frozenset[str] = frozenset()
+    #: Accepted only with one of these values (their feature off).
+    no_op_values: Mapping[str, tuple[Any, ...]] = dataclasses.field(
+        default_factory=dict)
+    #: Accepted because the sampler they set is off (checked by its switch).
+    off_sampler_settings: Mapping[str, str] = dataclasses.field(
+        default_factory=dict)
+
+
+#: Every endpoint but the embeddings: OpenAI's labels, and llama.cpp's
+#: samplers that are off (a llama.cpp client sends its whole settings block,
+#: to the tokenizer endpoints too).
+DEFAULT = FieldPolicy(IGNORED_ON_PURPOSE, NO_OP_VALUES,
+                      SETTINGS_OF_A_SAMPLER_THAT_IS_OFF)
+#: Embeddings: OpenAI's ``user`` labels a request and changes nothing.
+EMBEDDING = FieldPolicy(frozenset({"user"}))
+
+
 def _is_no_op(value: Any, allowed: tuple[Any, ...]) -> bool:
     # bool is an int in Python: True must not pass for 1, nor 0 for False.
     return any(type(value) is type(a) and value == a
@@ -78,18 +93,19 @@ def _is_no_op(value: Any, allowed: tuple[Any, ...]) -> bool:
                for a in allowed)
 
 
-def check_fields(body: dict, implemented: frozenset[str]) -> None:
-    """Raise a 400 naming the first field that would be ignored."""
+def check_unread(body: dict, read: Collection[str], policy: FieldPolicy) -> None:
+    """Raise a 400 naming the first field of ``body`` that was not read and
+    that ``policy`` does not accept as it is (null counts as absent)."""
     for name, value in body.items():
-        if name in implemented or name in IGNORED_ON_PURPOSE or value is None:
+        if name in read or name in policy.ignored or value is None:
             continue
-        if name in NO_OP_VALUES:
-            if not _is_no_op(value, NO_OP_VALUES[name]):
-                shown = NO_OP_VALUES[name][-1]
+        if name in policy.no_op_values:
+            allowed = policy.no_op_values[name]
+            if not _is_no_op(value, allowed):
                 raise BadRequest(
                     f"'{name}' is not supported (only its default, "
-                    f"{shown!r}, is accepted)", param=name)
+                    f"{allowed[-1]!r}, is accepted)", param=name)
             continue
-        if name in SETTINGS_OF_A_SAMPLER_THAT_IS_OFF:
+        if name in policy.off_sampler_settings:
             continue  # its switch was checked above, in the same loop
         raise BadRequest(f"'{name}' is not supported", param=name)

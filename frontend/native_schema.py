@@ -2,11 +2,12 @@
 ``/tokenize``, ``/detokenize``).
 
 The samplers, stop strings, grammar and ``n_predict`` are read by the same
-code as the OpenAI endpoints (``frontend.openai_schema``), so both take the
-same values with the same errors. What is native only is read here:
+readers as the OpenAI endpoints (``frontend.request_fields``), so both take
+the same values with the same errors. What is native only is read here:
 ``prompt`` as text, token ids or a mix, ``id_slot``, ``cache_prompt``,
 ``return_tokens``, ``n_probs``, and the infill and tokenizer fields. Any
-other field gets a 400 naming it (``frontend.field_policy``).
+other field gets a 400 naming it, unless ``frontend.field_policy`` accepts
+it unread.
 """
 
 from __future__ import annotations
@@ -14,29 +15,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from frontend import field_policy, request_fields
 from frontend.errors import BadRequest
-from frontend.field_policy import COMMON_FIELDS, check_fields
-from frontend.openai_schema import (
-    _bool,
-    _check_stops_with_logprobs,
-    _max_tokens,
-    _number,
-    _sampling,
-    _stop,
-    _timings_per_token,
-    _top_count,
-)
 from frontend.output_constraints import grammar_of
+from frontend.request_fields import RequestFields, top_count
 from protocol.payloads import COMPLETION, GenerationRequest
 
-#: ``/completion``: the OpenAI endpoints' samplers, minus OpenAI's stream
-#: options, plus the native fields read here.
-COMPLETION_FIELDS = (COMMON_FIELDS - {"stream_options", "max_completion_tokens"}
-                     ) | {"prompt", "cache_prompt", "id_slot", "return_tokens"}
-INFILL_FIELDS = COMPLETION_FIELDS | {"input_prefix", "input_suffix", "input_extra"}
-TOKENIZE_FIELDS = frozenset({"content", "add_special", "parse_special",
-                             "with_pieces"})
-DETOKENIZE_FIELDS = frozenset({"tokens"})
+#: What ``parse_infill_input`` reads: ``/infill`` reads them after checking
+#: that the model can infill at all (llama.cpp's order), so its parser
+#: defers them to that step.
+INFILL_INPUT_FIELDS = ("input_prefix", "input_suffix", "input_extra")
 
 #: A prompt: text, or text and token ids to be joined in order.
 PromptPart = str | int
@@ -56,6 +44,8 @@ class NativeRequest:
     n_probs: int
     #: Whether the response carries ``completion_probabilities``.
     show_probs: bool
+    #: The model the client named (answered back when the pool names none).
+    model: str | None = None
 
 
 def _token_id(value: Any, where: str) -> int:
@@ -86,49 +76,47 @@ def prompt_parts(value: Any, where: str = "prompt") -> str | list[PromptPart]:
     return [v if isinstance(v, str) else _token_id(v, where) for v in value]
 
 
-def _id_slot(body: dict) -> int:
-    value = _number(body, "id_slot", -1, None, integer=True)
-    return -1 if value is None else value
-
-
-def _cache_prompt(body: dict) -> bool:
-    value = _bool(body, "cache_prompt")
-    return True if value is None else value
-
-
-def parse_completion(body: Any, fields: frozenset[str] = COMPLETION_FIELDS
-                     ) -> NativeRequest:
+def parse_completion(body: Any, infill: bool = False) -> NativeRequest:
     """``POST /completion`` (and the common part of ``/infill``)."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    check_fields(body, fields)
-    return_tokens = bool(_bool(body, "return_tokens"))
-    n_probs = _top_count(body, "n_probs") or 0
+    fields = RequestFields(body)
+    return_tokens = bool(fields.flag("return_tokens"))
+    n_probs = top_count(fields, "n_probs") or 0
     show_probs = n_probs > 0
     # Token ids travel with the log-probability entries; an entry without
     # alternatives is all that return_tokens needs.
     logprobs = n_probs if show_probs else (0 if return_tokens else None)
-    stream = bool(_bool(body, "stream"))
+    stream = request_fields.stream(fields)
     generation = GenerationRequest(
         kind=COMPLETION,
-        max_tokens=_max_tokens(body),
-        sampling=_sampling(body),
-        stop=_stop(body),
-        grammar=grammar_of(body),
+        # llama.cpp's own names: OpenAI's max_completion_tokens is not one.
+        max_tokens=request_fields.max_tokens(fields, ("max_tokens",)),
+        sampling=request_fields.sampling(fields),
+        stop=request_fields.stop(fields),
+        grammar=grammar_of(fields),
         logprobs=logprobs,
-        cache_prompt=_cache_prompt(body),
-        timings_per_token=_timings_per_token(body, stream),
+        cache_prompt=bool(fields.flag("cache_prompt", True)),
+        timings_per_token=request_fields.timings_per_token(fields, stream),
     )
-    _check_stops_with_logprobs(generation)
-    return NativeRequest(
+    request_fields.check_stops_with_logprobs(generation)
+    parsed = NativeRequest(
         generation=generation,
-        prompt=prompt_parts(body.get("prompt")),
+        prompt=prompt_parts(fields.get("prompt")),
         stream=stream,
-        id_slot=_id_slot(body),
+        id_slot=_id_slot(fields),
         return_tokens=return_tokens,
         n_probs=n_probs,
         show_probs=show_probs,
+        model=request_fields.model(fields),
     )
+    if infill:
+        fields.defer(*INFILL_INPUT_FIELDS)
+    fields.finish(field_policy.DEFAULT)
+    return parsed
+
+
+def _id_slot(fields: RequestFields) -> int:
+    value = fields.number("id_slot", -1, None, integer=True)
+    return -1 if value is None else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +130,7 @@ def parse_infill_input(body: dict) -> InfillInput:
     """``input_prefix``, ``input_suffix`` (required, as llama.cpp) and
     ``input_extra`` (``[{"text", "filename"}]``)."""
     texts = {}
-    for name in ("input_prefix", "input_suffix"):
+    for name in INFILL_INPUT_FIELDS[:2]:
         value = body.get(name)
         if not isinstance(value, str):
             raise BadRequest(f'"{name}" is required and must be a string',
@@ -175,25 +163,20 @@ class TokenizeRequest:
 
 def parse_tokenize(body: Any) -> TokenizeRequest:
     """``POST /tokenize``; llama.cpp's defaults: no BOS, specials parsed."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    check_fields(body, TOKENIZE_FIELDS)
-
-    def flag(name: str, default: bool) -> bool:
-        value = _bool(body, name)
-        return default if value is None else value
-
-    return TokenizeRequest(prompt_parts(body.get("content"), "content"),
-                           flag("add_special", False), flag("parse_special", True),
-                           flag("with_pieces", False))
+    fields = RequestFields(body)
+    parsed = TokenizeRequest(prompt_parts(fields.get("content"), "content"),
+                             fields.flag("add_special", False),
+                             fields.flag("parse_special", True),
+                             fields.flag("with_pieces", False))
+    fields.finish(field_policy.DEFAULT)
+    return parsed
 
 
 def parse_detokenize(body: Any) -> list[int]:
     """``POST /detokenize``: the token ids (range-checked by the caller)."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    check_fields(body, DETOKENIZE_FIELDS)
-    tokens = body.get("tokens") or []
+    fields = RequestFields(body)
+    tokens = fields.get("tokens") or []
     if not isinstance(tokens, list):
         raise BadRequest("'tokens' must be a list of token ids", param="tokens")
+    fields.finish(field_policy.DEFAULT)
     return [_token_id(t, "tokens") for t in tokens]

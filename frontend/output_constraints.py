@@ -16,6 +16,7 @@ from typing import Any
 
 from frontend import model_code
 from frontend.errors import BadRequest
+from frontend.request_fields import RequestFields
 
 #: ``response_format.type`` values, as OpenAI and llama.cpp name them.
 RESPONSE_TYPES = ("text", "json_object", "json_schema")
@@ -44,7 +45,7 @@ def _schema_of_response_format(fmt: Any) -> tuple[Any, str] | None:
     return wrapper["schema"], "response_format.json_schema.schema"
 
 
-def grammar_of(body: dict) -> str:
+def grammar_of(body: RequestFields) -> str:
     """The GBNF the output must match, or "" for free text."""
     schema, param = None, None
     if body.get("json_schema") is not None:

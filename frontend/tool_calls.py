@@ -34,6 +34,7 @@ from typing import Any
 
 from frontend import model_code
 from frontend.errors import BadRequest
+from frontend.request_fields import RequestFields
 
 #: At most this many tools per request (OpenAI allows 128).
 MAX_TOOLS = 128
@@ -117,7 +118,7 @@ def call_grammar(functions: list[dict]) -> str:
     return f"root ::= {open_lit} tool-call-json {close_lit}\n{gbnf}"
 
 
-def tool_request(body: dict) -> ToolRequest:
+def tool_request(body: RequestFields) -> ToolRequest:
     """``tools`` and ``tool_choice`` of a chat body, checked."""
     if body.get("functions") is not None or body.get("function_call") is not None:
         raise BadRequest("'functions' is OpenAI's deprecated form; use 'tools'",
