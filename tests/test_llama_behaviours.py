@@ -23,6 +23,7 @@ import pytest
 from protocol.payloads import GenerationRequest, Sampling
 from tests.null_sink import RecordingSink
 from workers.model.llama_engine import LlamaEngine
+from workers.model.llama_internals import EngineLlama
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,9 @@ def test_engine_output_equals_a_bare_generate_loop(engine, tiny_model):
     sink = RecordingSink()
     engine.run(completion(prompt, max_tokens=20, ignore_eos=True), sink)
 
-    bare = llama_cpp.Llama(str(tiny_model), n_ctx=512, n_threads=1, verbose=False)
+    # EngineLlama: llama_cpp.Llama with this CPU's --repack auto (on AMX,
+    # llama.cpp's repacked Q4 kernel crashes); its loop is the bare one.
+    bare = EngineLlama(str(tiny_model), n_ctx=512, n_threads=1, verbose=False)
     tokens = bare.tokenize(prompt.encode(), special=True)
     out = []
     for token in bare.generate(tokens, temp=0.0, top_k=40, top_p=0.95, min_p=0.05):
@@ -120,8 +123,8 @@ def test_odd_context_size_is_rounded_so_the_context_can_be_filled(tiny_model):
 
 
 def test_side_thread_runs_during_one_decode_call(tiny_model):
-    llama = llama_cpp.Llama(str(tiny_model), n_ctx=2048, n_batch=2048, n_ubatch=2048,
-                            n_threads=1, verbose=False)
+    llama = EngineLlama(str(tiny_model), n_ctx=2048, n_batch=2048, n_ubatch=2048,
+                        n_threads=1, verbose=False)
     tokens = llama.tokenize(b"Hello world " * 1000)[:2000]
     counter = [0]
     stop = threading.Event()

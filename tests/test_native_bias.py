@@ -17,6 +17,7 @@ import pytest
 from protocol.payloads import GenerationRequest, LogitBias, Sampling
 from tests.null_sink import NullSink
 from workers.model.llama_engine import LlamaEngine
+from workers.model.llama_internals import EngineLlama
 from workers.model.logits import RequestLogits
 from workers.model.native_bias import LogitBiasLlama
 
@@ -25,7 +26,9 @@ GREEDY = {"temp": 0.0, "top_k": 40, "top_p": 1.0, "min_p": 0.0, "repeat_penalty"
 
 @pytest.fixture(scope="module")
 def llama(tiny_model):
-    return LogitBiasLlama(str(tiny_model), n_ctx=256, n_threads=1, verbose=False)
+    # EngineLlama is a LogitBiasLlama with this CPU's --repack auto (on AMX,
+    # llama.cpp's repacked Q4 kernel crashes).
+    return EngineLlama(str(tiny_model), n_ctx=256, n_threads=1, verbose=False)
 
 
 def first_tokens(llama, n: int, bias: dict[int, float], processors=None) -> list[int]:

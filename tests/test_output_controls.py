@@ -22,6 +22,7 @@ from llamapool.test_model import EOS_ID
 from protocol.errors import ErrorCode
 from protocol.payloads import GenerationRequest
 from workers.model.engine import RequestRejected
+from workers.model.features import refuse_unsupported
 from workers.model.llama_engine import LlamaEngine
 from workers.model.synthetic_engine import SyntheticEngine
 
@@ -361,7 +362,12 @@ def test_worker_refuses_a_grammar_its_vocabulary_cannot_compile(tiny_model):
 
 @pytest.mark.parametrize("field", [{"grammar": 'root ::= "a"'}, {"logprobs": 2}])
 def test_synthetic_engine_refuses_what_needs_a_model(field):
+    """The worker's one features check (``workers.model.features``) refuses
+    for the engine, before its ``run`` (tests/test_worker_link.py drives it
+    through the job runner)."""
+    engine = SyntheticEngine(tokens_per_second=1000)
     with pytest.raises(RequestRejected) as refused:
-        SyntheticEngine(tokens_per_second=1000).run(
-            GenerationRequest("completion", "Hi", max_tokens=2, **field), _Sink())
+        refuse_unsupported(
+            GenerationRequest("completion", "Hi", max_tokens=2, **field),
+            engine.name, engine.features)
     assert refused.value.code == ErrorCode.UNSUPPORTED_FIELD

@@ -5,8 +5,8 @@ from __future__ import annotations
 from protocol import messages
 from protocol.payloads import GenerationRequest
 from workers.broker.step_down import HeldSubmits
+from workers.model.active_job import ActiveJob, ThreadBudget
 from workers.model.settings import WorkerSettings
-from workers.model.worker import ActiveJob, ThreadBudget
 
 A, B, C = b"worker-a", b"worker-b", b"worker-c"
 

@@ -1,8 +1,9 @@
 """Property test: a worker that moves between brokers never serves two at once.
 
-The real ``ModelWorker`` link-side callbacks (``on_message``, ``on_lost``,
-``forward``, ``on_tick``), driven in any order, with its link's socket
-replaced by a recorder of what would go out and to which broker. The rules:
+The real ``ModelWorker``'s link-side callbacks (its ``WorkerLink``:
+``on_message``, ``on_lost``, ``forward``, ``on_tick``), driven in any order,
+with its link's socket replaced by a recorder of what would go out and to
+which broker. The rules:
 
 * at most one job at a time: a SUBMIT while a job runs is refused with
   WORKER_BUSY (one slot is one job);
@@ -24,8 +25,10 @@ from hypothesis import strategies as st
 from protocol import messages
 from protocol.errors import ErrorCode
 from protocol.payloads import GenerationRequest, GpuPlacement, Timings, Usage
+from workers.model.active_job import ActiveJob, Outgoing
 from workers.model.settings import WorkerSettings
-from workers.model.worker import ModelWorker, RegistrationState
+from workers.model.worker import ModelWorker
+from workers.model.worker_link import RegistrationState, WorkerLink
 
 REQUEST = GenerationRequest(kind="completion", prompt="hi")
 
@@ -38,15 +41,16 @@ class LoadedEngine:
     repack = ""
 
 
-def make_worker(endpoints: str) -> tuple[ModelWorker, list[tuple[str, object]]]:
+def make_worker(endpoints: str) -> tuple[WorkerLink, list[tuple[str, object]]]:
     worker = ModelWorker(WorkerSettings(broker_endpoint=endpoints,
                                         engine="synthetic"), LoadedEngine)
     worker.engine = LoadedEngine()
-    worker._stop = threading.Event()  # a StopSignal: is_set, set
+    link = worker.link
+    link._stop = threading.Event()  # a StopSignal: is_set, set
     out: list[tuple[str, object]] = []
     # What would leave the DEALER, and to which broker it is connected.
-    worker._link.send = lambda msg: out.append((worker._link.endpoint, msg))
-    return worker, out
+    link.connection.send = lambda msg: out.append((link.connection.endpoint, msg))
+    return link, out
 
 
 EVENTS = st.lists(st.sampled_from(["submit", "lost", "token", "end", "tick"]),
@@ -74,16 +78,16 @@ def test_a_moving_worker_serves_one_broker_one_job(events, n_brokers):
                 assert refusal.code == ErrorCode.WORKER_BUSY
             else:
                 assert running is None  # one job at a time
-                running = (job_id, worker._link.endpoint)
+                running = (job_id, worker.connection.endpoint, worker._job)
         elif event == "lost":
             worker.on_lost(1.0)
         elif event in ("token", "end") and running is not None:
-            job_id, given_by = running
+            job_id, given_by, job = running
             msg = (messages.Token(job_id, "x") if event == "token" else
                    messages.Error(job_id, ErrorCode.ENGINE_ERROR, "end"))
-            if worker.forward(msg):
+            if worker.forward(Outgoing(job, msg)):
                 # Only ever to the broker that gave the job.
-                assert worker._link.endpoint == given_by
+                assert worker.connection.endpoint == given_by
             if event == "end":
                 running = None
         elif event == "tick":
@@ -100,29 +104,33 @@ def test_a_moving_worker_serves_one_broker_one_job(events, n_brokers):
 
 def test_a_move_goes_to_the_next_broker():
     worker, _ = make_worker("ipc://a,ipc://b")
-    first = worker._link.endpoint
+    first = worker.connection.endpoint
     worker.on_lost(1.0)
-    assert worker._link.endpoint != first
+    assert worker.connection.endpoint != first
     worker.on_lost(1.0)
-    assert worker._link.endpoint == first
+    assert worker.connection.endpoint == first
     assert worker.brokers.moves == 2
 
 
 def test_what_the_main_thread_sends_goes_out_by_kind_never_dropped_unsaid():
     """``forward`` (the link thread's last look at what the main thread
-    queued): a frame of the current job goes, one of any other job does
-    not, and a message it does not know is an error, not a silent drop
-    (it used to drop anything sent between jobs but CACHE_REPORT)."""
+    queued, each message tagged with its job): a frame of the current job
+    goes, one of any other job does not, and a message it does not know is
+    an error, not a silent drop (it used to drop anything sent between jobs
+    but CACHE_REPORT)."""
     worker, _ = make_worker("ipc://b0")
     worker._registration.state = RegistrationState.CONFIRMED
     worker.on_message(messages.Submit(
         "a", GenerationRequest(kind="completion", prompt="x")))
-    assert worker.forward(messages.Token("a", "t", 1))
-    assert not worker.forward(messages.Token("b", "t", 1))  # not our job
-    assert worker.forward(messages.ThreadsSet(1))
-    assert worker.forward(messages.Final("a", "stop", Usage(1, 1, 2),
-                                         Timings(1, 1.0, 1, 1.0)))
-    assert not worker.forward(messages.Token("a", "late", 1))  # after its end
-    assert worker.forward(messages.CacheReport([], None))  # between jobs
+    a = worker._job
+    b = ActiveJob(messages.Submit("b", REQUEST), send=None,
+                  settings=worker.settings)
+    assert worker.forward(Outgoing(a, messages.Token("a", "t", 1)))
+    assert not worker.forward(Outgoing(b, messages.Token("b", "t", 1)))  # not ours
+    assert worker.forward(Outgoing(a, messages.ThreadsSet(1)))
+    assert worker.forward(Outgoing(a, messages.Final(
+        "a", "stop", Usage(1, 1, 2), Timings(1, 1.0, 1, 1.0))))
+    assert not worker.forward(Outgoing(a, messages.Token("a", "late", 1)))  # ended
+    assert worker.forward(Outgoing(None, messages.CacheReport([], None)))  # idle
     with pytest.raises(TypeError, match="Loading"):
-        worker.forward(messages.Loading("w", "m", 1, "h"))
+        worker.forward(Outgoing(None, messages.Loading("w", "m", 1, "h")))

@@ -26,11 +26,11 @@ import llama_cpp
 import numpy as np
 
 from protocol.errors import ErrorCode
-from protocol.messages import FinishReason
 from protocol.payloads import EmbeddingInput, GenerationRequest
 from workers.model import llama_internals
 from workers.model.engine import GenerationResult, JobSink, RequestRejected
 from workers.model.prompting import PromptBuilder
+from workers.model.token_loop import EmbeddingLoop, cancelled_while_tokenizing
 from workers.model.tokenizing import PromptTooLong, TokenizeCancelled
 
 #: Tokens one input may have: the embedding context's size and its physical
@@ -139,12 +139,9 @@ class Embedder:
     def vector(self, tokens: list[int], normalize_mode: int) -> np.ndarray:
         """One input's pooled vector (``tokens`` fits ``batch_tokens``)."""
         ctx = self._context()
-        batch = self._batch
-        ctx.kv_cache_clear()  # each input is its own sequence from position 0
-        batch.reset()
-        batch.add_sequence(tokens, 0, True)
-        ctx.decode(batch)
-        ptr = llama_cpp.llama_get_embeddings_seq(ctx.ctx, 0)
+        # Each input is its own sequence from position 0.
+        llama_internals.decode_alone(ctx, self._batch, tokens)
+        ptr = llama_internals.pooled_embedding(ctx)
         if not ptr:
             raise RuntimeError("llama.cpp returned no pooled embedding")
         raw = np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
@@ -163,35 +160,22 @@ class Embedder:
             all_tokens = [self.tokens_of(i, item, sink.should_stop)
                           for i, item in enumerate(request.inputs)]
         except TokenizeCancelled:
-            return GenerationResult(
-                finish_reason=FinishReason.CANCELLED, prompt_tokens=0,
-                completion_tokens=0, cached_tokens=0,
-                prompt_ms=(time.perf_counter() - started) * 1000, predicted_ms=0.0)
+            return cancelled_while_tokenizing(started)
         total = sum(len(tokens) for tokens in all_tokens)
         if total > MAX_EMBEDDING_REQUEST_TOKENS:
             raise RequestRejected(
                 ErrorCode.INPUT_TOO_LARGE,
                 f"input: {total} tokens in all; one request may have at most "
                 f"{MAX_EMBEDDING_REQUEST_TOKENS}")
-        finish = FinishReason.STOP
-        done_tokens = 0
-        for tokens in all_tokens:
-            if sink.should_stop():
-                finish = FinishReason.CANCELLED
-                break
-            vector = self.vector(tokens, request.embd_normalize)
-            if not sink.wait_for_credit():
-                finish = FinishReason.CANCELLED
-                break
-            sink.emit_embedding(vector.astype("<f4").tobytes(), len(tokens))
-            done_tokens += len(tokens)
-            elapsed = time.perf_counter() - started
-            # Input tokens embedded stand for tokens generated, so that the
-            # broker's Retry-After (remaining / speed) counts this job too.
-            sink.report_progress(total, done_tokens, total,
-                                 done_tokens / elapsed if elapsed > 0 else 0.0,
-                                 len(tokens))
-        elapsed_ms = (time.perf_counter() - started) * 1000
-        return GenerationResult(
-            finish_reason=finish, prompt_tokens=done_tokens, completion_tokens=0,
-            cached_tokens=0, prompt_ms=elapsed_ms, predicted_ms=0.0)
+        loop = EmbeddingLoop(sink, started=started, n_tokens=total)
+        mode = request.embd_normalize
+        # Each ``next`` decodes one input, after the loop's cancel check.
+        vectors = ((tokens, self.vector(tokens, mode)) for tokens in all_tokens)
+        return loop.result(loop.run(vectors, _frame_of))
+
+
+def _frame_of(unit: tuple[list[int], np.ndarray]) -> tuple[bytes, int, int]:
+    """An embedded input's frame (its vector as little-endian float32, and
+    its token count), and the context in use: that input."""
+    tokens, vector = unit
+    return vector.astype("<f4").tobytes(), len(tokens), len(tokens)

@@ -1,15 +1,15 @@
 """What a model worker needs from an engine, independent of llama.cpp.
 
 The worker's socket side talks to an engine through ``JobSink`` (where output
-goes, whether to stop) and gets back a ``GenerationResult``. The generation
-loop itself lives in the engine.
+goes, whether to stop) and gets back a ``GenerationResult``. Every engine
+runs its units through the one loop of ``workers.model.token_loop``, and
+supplies only how the next unit is made.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from protocol.errors import ErrorCode, context_exceeded_message
 from protocol.messages import FinishReason
@@ -20,7 +20,9 @@ from protocol.payloads import (
     TokenLogprob,
     Usage,
 )
-from workers.model.stop_strings import StopStringFilter
+
+if TYPE_CHECKING:  # features.py imports this module's RequestRejected
+    from workers.model.features import Feature
 
 
 class RequestRejected(Exception):
@@ -57,95 +59,6 @@ def token_budget(n_prompt: int, n_ctx: int, asked: int | None) -> int:
         raise RequestRejected.context_exceeded(n_prompt, n_ctx)
     room = n_ctx - n_prompt
     return room if asked is None else min(asked, room)
-
-
-class LiveTimings:
-    """A job's timings so far, for the TOKEN frames of a request that asked
-    for them on every token (llama.cpp's ``timings_per_token``).
-
-    Measured as ``GenerationResult.timings`` measures the whole job: prompt
-    time from the start to the first sampled token, generation time from
-    there to now.
-    """
-
-    def __init__(self, started: float, n_prompt: int, n_cached: int) -> None:
-        self._started = started
-        self._prompt_n = max(0, n_prompt - n_cached)
-        self._cache_n = n_cached
-        self._first_token_at: float | None = None
-
-    def now(self, n_generated: int) -> Timings:
-        at = time.perf_counter()
-        if self._first_token_at is None:
-            self._first_token_at = at
-        predicted_ms = max(0.0, (at - self._first_token_at) * 1000)
-        return Timings(
-            prompt_n=self._prompt_n,
-            prompt_ms=max(0.0, (self._first_token_at - self._started) * 1000),
-            predicted_n=n_generated,
-            predicted_ms=predicted_ms,
-            predicted_per_second=(n_generated / predicted_ms * 1000
-                                  if predicted_ms > 0 else 0.0),
-            cache_n=self._cache_n,
-        )
-
-
-class TokenOutput:
-    """The output side of a generation loop, shared by every engine.
-
-    Each new token's text goes through the stop-string filter; what is safe to
-    show waits for credit and goes out as one frame covering every token since
-    the last frame sent. With ``timings``, each frame also carries the job's
-    timings so far.
-    """
-
-    def __init__(self, sink: JobSink, stops: list[str],
-                 timings: LiveTimings | None = None) -> None:
-        self.sink = sink
-        self.stopper = StopStringFilter(stops)
-        self._timings = timings
-        self._pushed = 0
-        self._unsent_tokens = 0
-        #: Log-probability entries of the tokens not sent yet.
-        self._unsent_logprobs: list[TokenLogprob] = []
-
-    def push(self, text: str, logprob: TokenLogprob | None = None) -> str | None:
-        """Account one token; return a finish reason if generation must end.
-
-        ``logprob`` (when the request asked for them) goes out with the frame
-        that carries the token's text. A frame that ends at a stop string
-        carries the entries of every token up to it; tokens held back and
-        then dropped by a stop string have none.
-        """
-        self._pushed += 1
-        self._unsent_tokens += 1
-        if logprob is not None:
-            self._unsent_logprobs.append(logprob)
-        if self._timings is not None and self._pushed == 1:
-            self._timings.now(0)  # the first token ends the prompt's time
-        text = self.stopper.push(text)
-        if text:
-            if not self.sink.wait_for_credit():
-                return FinishReason.CANCELLED
-            extra = {}
-            if self._timings is not None:
-                extra["timings"] = self._timings.now(self._pushed)
-            if self._unsent_logprobs:
-                extra["logprobs"] = self._unsent_logprobs
-                self._unsent_logprobs = []
-            self.sink.emit(text, self._unsent_tokens, **extra)
-            self._unsent_tokens = 0
-        return FinishReason.STOP if self.stopper.stopped else None
-
-    def tail(self, last_text: str = "") -> str:
-        """Text held back until the end (a stop-string prefix that never
-        completed, plus ``last_text``)."""
-        return self.stopper.push(last_text) + self.stopper.flush()
-
-    def tail_logprobs(self) -> list[TokenLogprob]:
-        """The entries of the tokens whose text ``tail`` released."""
-        out, self._unsent_logprobs = self._unsent_logprobs, []
-        return [] if self.stopper.stopped else out
 
 
 class JobSink(Protocol):
@@ -228,6 +141,10 @@ class Engine(Protocol):
     #: Whether llama.cpp repacked the weights, and why (``/slots``; "" for
     #: an engine without weights).
     repack: str
+    #: What the engine can do (``workers.model.features``). The worker
+    #: refuses a request that needs anything else before ``run`` sees it
+    #: (``refuse_unsupported``), so ``run`` never checks for itself.
+    features: frozenset[Feature]
 
     def warm_up(self) -> None:
         """Compute once before READY, with the settings jobs will use (a

@@ -115,7 +115,5 @@ def plan_reuse(llama: llama_cpp.Llama, prompt: Sequence[int],
     if keep == 0:
         if mem is not None:
             llama_cpp.llama_memory_clear(mem, True)
-    llama.n_tokens = keep
-    # Only read by generate(reset=True); keeps the object consistent anyway.
-    llama._requires_eval = True
+    llama_internals.set_evaluated(llama, keep)
     return ReusePlan(tokens=prompt[keep:], reset=False, cached_tokens=keep)

@@ -1,10 +1,13 @@
 """The llama.cpp engine: one ``Llama``, its KV cache, and our own token loop.
 
 We do not use ``create_completion(stream=True)``: on the tiny test model it
-was about 40x slower per token than a bare ``Llama.generate`` loop. The loop
-here takes tokens from ``generate()``, detokenises incrementally (UTF-8 safe),
-applies stop strings without leaking them, and checks for cancel between
-tokens.
+was about 40x slower per token than a bare ``Llama.generate`` loop. Tokens
+come from ``generate()`` and run through the shared loop
+(``workers.model.token_loop``: stop strings that never leak, credit,
+progress, the budget, cancel between tokens); this engine supplies what is
+its own: the sampled tokens, what each means (end of generation, the
+grammar, incremental UTF-8-safe text, log-probabilities), and the thread
+budget followed between tokens.
 """
 
 from __future__ import annotations
@@ -25,27 +28,29 @@ from workers.model.embedding import DEFAULT_EMBEDDING_BATCH_TOKENS, Embedder
 from workers.model.engine import (
     GenerationResult,
     JobSink,
-    LiveTimings,
     RequestRejected,
-    TokenOutput,
     token_budget,
 )
+from workers.model.features import ALL_FEATURES
 from workers.model.grammar import GrammarError
+from workers.model.llama_internals import EngineLlama
 from workers.model.logits import MAX_BIASED_TOKENS, BiasError, RequestLogits
-from workers.model.native_bias import LogitBiasLlama
 from workers.model.prompt_cache import MIB, PromptStateCache
 from workers.model.prompt_reuse import PromptReuse
 from workers.model.prompting import PromptBuilder, PromptError, ToolsUnsupported
+from workers.model.token_loop import TokenLoop, cancelled_while_tokenizing
 from workers.model.tokenizing import PromptTooLong, TokenizeCancelled
-from workers.model.weight_repack import RepackChoice
+from workers.model.weight_repack import RepackChoice, repack_enabled
 
 log = logging.getLogger("llamapool.worker")
 
 #: llama.cpp pads the context size to a multiple of this.
 CTX_GRANULARITY = 256
 
-#: llama.cpp's own default: repacked weights (``weight_repack``).
-REPACK_DEFAULT = RepackChoice(True, "llama.cpp's default")
+#: The worker's default (``--repack auto``), also for an engine built
+#: without settings (tests, benchmarks): on an AMX CPU, llama.cpp's
+#: default (repacked weights) crashes on Q4 weights (``weight_repack``).
+REPACK_DEFAULT = repack_enabled("auto")
 
 #: The warm-up's prompt (several tokens: a batch, not one decode) and how
 #: many tokens it samples.
@@ -74,31 +79,12 @@ def gpu_placement(llama: llama_cpp.Llama) -> GpuPlacement:
     return GpuPlacement(layers_requested=requested, layers_offloaded=offloaded,
                         devices=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
 
-class EngineLlama(LogitBiasLlama):
-    """The engine's ``Llama``: also takes ``use_extra_bufts`` (weight
-    repacking, ``workers.model.weight_repack``), which llama-cpp-python's
-    constructor has no argument for. It builds ``model_params`` and loads
-    the model in one call, so the field is set as the params are assigned,
-    before the load reads them."""
-
-    def __init__(self, *args, use_extra_bufts: bool = True, **kwargs) -> None:
-        self._use_extra_bufts = use_extra_bufts
-        super().__init__(*args, **kwargs)
-
-    @property
-    def model_params(self):
-        return self._model_params
-
-    @model_params.setter
-    def model_params(self, params) -> None:
-        params.use_extra_bufts = self._use_extra_bufts
-        self._model_params = params
-
 
 class LlamaEngine:
     """Serves one request at a time from one ``llama_cpp.Llama``."""
 
     name = "llama.cpp"
+    features = ALL_FEATURES
 
     def __init__(
         self,
@@ -194,11 +180,7 @@ class LlamaEngine:
         try:
             prompt, extra_stops = self._prompt_tokens(request, sink)
         except TokenizeCancelled:
-            elapsed_ms = (time.perf_counter() - started) * 1000
-            return GenerationResult(finish_reason=FinishReason.CANCELLED,
-                                    prompt_tokens=0, completion_tokens=0,
-                                    cached_tokens=0,
-                                    prompt_ms=elapsed_ms, predicted_ms=0.0)
+            return cancelled_while_tokenizing(started)
         max_tokens = token_budget(len(prompt), self.n_ctx, request.max_tokens)
 
         sampling = request.sampling
@@ -221,79 +203,49 @@ class LlamaEngine:
     def _generate(self, request: GenerationRequest, sink: JobSink,
                   prompt: list[int], extra_stops: list[str], max_tokens: int,
                   logits: RequestLogits, started: float) -> GenerationResult:
-        sampling = request.sampling
         # cache_prompt false (llama.cpp's native field): nothing reused.
         plan = self.reuse.prepare(prompt, reuse=request.cache_prompt)
-        grammar, logprobs = logits.grammar, logits.logprobs
-
         self._follow_thread_budget(sink)
+        loop = TokenLoop(sink, started=started, n_prompt=len(prompt),
+                         max_tokens=max_tokens, stops=request.stop + extra_stops,
+                         cached_tokens=plan.cached_tokens,
+                         timings_per_token=request.timings_per_token)
         detok = IncrementalDetokenizer(self._vocab)
-        live = (LiveTimings(started, len(prompt), plan.cached_tokens)
-                if request.timings_per_token else None)
-        output = TokenOutput(sink, request.stop + extra_stops, live)
-        n_generated = 0
-        first_token_at = None
-        finish = FinishReason.LENGTH
-        tokens = self._sampled_tokens(plan, sampling, logits)
+        tokens = self._sampled_tokens(plan, request.sampling, logits)
         try:
-            if max_tokens == 0:
-                tokens.close()
-                first_token_at = time.perf_counter()
-            for token in tokens:
-                now = time.perf_counter()
-                if first_token_at is None:
-                    first_token_at = now
-                if grammar is not None and grammar.dead_end:
-                    # Nothing the grammar allows was left to sample.
-                    finish = FinishReason.STOP
-                    break
-                if llama_cpp.llama_vocab_is_eog(self._vocab, token):
-                    finish = FinishReason.STOP
-                    break
-                if grammar is not None:
-                    grammar.accept(token)  # before the next token is sampled
-                n_generated += 1
-                entry = logprobs.entry(token) if logprobs is not None else None
-                ended_by = output.push(detok.push(token), entry)
-                if ended_by is not None:
-                    finish = ended_by
-                    break
-                elapsed = now - first_token_at
-                sink.report_progress(
-                    len(prompt),
-                    n_generated,
-                    max_tokens,
-                    n_generated / elapsed if elapsed > 0 else 0.0,
-                    self.llama.n_tokens,
-                )
-                if n_generated >= max_tokens:
-                    finish = FinishReason.LENGTH
-                    break
-                if sink.should_stop():
-                    finish = FinishReason.CANCELLED
-                    break
-                self._follow_thread_budget(sink)
+            finish = loop.run(tokens, self._token_taker(logits, detok),
+                              between=self._follow_thread_budget)
         finally:
             # Closing the generator leaves the last sampled token un-evaluated;
             # kv_cache.plan_reuse accounts for that on the next request.
             tokens.close()
             self.llama.logit_bias = {}
-        ended = time.perf_counter()
-        first_token_at = first_token_at or ended
-        cancelled = finish == FinishReason.CANCELLED
-        tail = "" if cancelled else output.tail(detok.flush())
-        tail_logprobs = [] if cancelled else output.tail_logprobs()
-        return GenerationResult(
-            finish_reason=finish,
-            prompt_tokens=len(prompt),
-            completion_tokens=n_generated,
-            cached_tokens=plan.cached_tokens,
-            prompt_ms=(first_token_at - started) * 1000,
-            predicted_ms=(ended - first_token_at) * 1000,
-            tail_text=tail,
-            tail_logprobs=tail_logprobs,
-            stopping_word=output.stopper.matched,
-        )
+        return loop.result(finish, detok.flush())
+
+    def _token_taker(self, logits: RequestLogits, detok: IncrementalDetokenizer):
+        """What a sampled token means (``TokenLoop.run``'s ``take``): its text,
+        log-probability entry and the tokens the context holds, or STOP for
+        an end-of-generation token or a grammar with nothing left to allow
+        (neither counts)."""
+        grammar, logprobs = logits.grammar, logits.logprobs
+        vocab, is_eog, text_of = self._vocab, llama_cpp.llama_vocab_is_eog, detok.push
+        llama = self.llama
+
+        def take(token: int):
+            if grammar is not None and grammar.dead_end:
+                # Nothing the grammar allows was left to sample.
+                return FinishReason.STOP
+            if is_eog(vocab, token):
+                return FinishReason.STOP
+            if grammar is not None:
+                grammar.accept(token)  # before the next token is sampled
+            # Sending the token decodes nothing: n_tokens is what it will be
+            # when its progress is reported.
+            return (text_of(token),
+                    logprobs.entry(token) if logprobs is not None else None,
+                    llama.n_tokens)
+
+        return take
 
     def _sampled_tokens(self, plan, sampling, logits: RequestLogits):
         """llama-cpp-python's token generator for the plan's tokens, with the

@@ -5,10 +5,12 @@ for its own token loop and KV-cache management: the raw ``llama_context``
 and ``llama_model`` handles that ``llama_cpp.llama_cpp``'s C functions take,
 the vocabulary handle, and its ``_internals`` wrappers for a second context
 and a batch. They are private and change between releases, so they are
-reached only through this module; upgrading the pinned version (0.3.36,
-``pyproject.toml``) means checking this file, plus the two overrides of
-``Llama``'s own methods that subclass it: ``native_bias.LogitBiasLlama``
-(``_init_sampler``) and ``llama_engine.EngineLlama`` (``model_params``).
+reached only through this module, and so is the engine's ``Llama``
+subclass (``EngineLlama``), which depends on the order ``Llama.__init__``
+builds and reads its model parameters in. Upgrading the pinned version
+(0.3.36, ``pyproject.toml``) means checking this file, plus the one other
+override of ``Llama``'s own methods: ``native_bias.LogitBiasLlama``
+(``_init_sampler``), which ``EngineLlama`` builds on.
 """
 
 from __future__ import annotations
@@ -16,10 +18,38 @@ from __future__ import annotations
 import llama_cpp
 from llama_cpp import _internals
 
+from workers.model.native_bias import LogitBiasLlama
+from workers.model.weight_repack import repack_enabled
+
 #: The wrappers of a model, a context and a batch (for type hints).
 LlamaModel = _internals.LlamaModel
 LlamaContext = _internals.LlamaContext
 LlamaBatch = _internals.LlamaBatch
+
+
+class EngineLlama(LogitBiasLlama):
+    """The engine's ``Llama``: also takes ``use_extra_bufts`` (weight
+    repacking, ``workers.model.weight_repack``), which llama-cpp-python's
+    constructor has no argument for. It builds ``model_params`` and loads
+    the model in one call, so the field is set as the params are assigned,
+    before the load reads them. Left out, it is what ``--repack auto``
+    chooses for this CPU (off on AMX, whose repacked Q4 kernel crashes)."""
+
+    def __init__(self, *args, use_extra_bufts: bool | None = None,
+                 **kwargs) -> None:
+        if use_extra_bufts is None:
+            use_extra_bufts = repack_enabled("auto").enabled
+        self._use_extra_bufts = use_extra_bufts
+        super().__init__(*args, **kwargs)
+
+    @property
+    def model_params(self):
+        return self._model_params
+
+    @model_params.setter
+    def model_params(self, params) -> None:
+        params.use_extra_bufts = self._use_extra_bufts
+        self._model_params = params
 
 
 def context_handle(llama: llama_cpp.Llama):
@@ -56,3 +86,29 @@ def new_batch(n_tokens: int) -> LlamaBatch:
     """A token batch of ``n_tokens`` for one sequence."""
     return _internals.LlamaBatch(n_tokens=n_tokens, embd=0, n_seq_max=1,
                                  verbose=False)
+
+
+def decode_alone(ctx: LlamaContext, batch: LlamaBatch, tokens: list[int]) -> None:
+    """Decode ``tokens`` in ``ctx`` as sequence 0 from position 0, alone:
+    the context's KV cache is emptied first (every position's output
+    requested, for pooling)."""
+    ctx.kv_cache_clear()
+    batch.reset()
+    batch.add_sequence(tokens, 0, True)
+    ctx.decode(batch)
+
+
+def pooled_embedding(ctx: LlamaContext, seq_id: int = 0):
+    """The pooled embedding of sequence ``seq_id`` after a decode (a
+    ``float *`` of ``n_embd`` values, NULL if there is none)."""
+    return llama_cpp.llama_get_embeddings_seq(ctx.ctx, seq_id)
+
+
+def set_evaluated(llama: llama_cpp.Llama, n_tokens: int) -> None:
+    """Make ``Llama``'s own record say the first ``n_tokens`` of its
+    ``input_ids`` are what the KV cache holds (after the cache was trimmed
+    or loaded behind its back), and that the next ``generate`` must
+    evaluate before it samples."""
+    llama.n_tokens = n_tokens
+    # Only read by generate(reset=True); keeps the object consistent anyway.
+    llama._requires_eval = True

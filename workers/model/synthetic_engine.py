@@ -6,29 +6,26 @@ be measured and tested without the cost (or the noise) of a real model.
 It is not a model and never pretends to be one: READY says engine
 ``synthetic`` and ``/v1/models`` and ``/slots`` show it.
 
-It keeps every promise a real engine keeps to the worker: ``max_tokens``
-and the context size, stop strings that never leak
-(``workers.model.stop_strings``), credit before each frame, a cancel check between
-tokens, and live progress. Output token ``i`` is the text ``tok{i}``,
-separated by spaces: ``"tok0 tok1 tok2"``.
+It keeps every promise a real engine keeps to the worker, through the same
+loop (``workers.model.token_loop``): ``max_tokens`` and the context size,
+stop strings that never leak, credit before each frame, a cancel check
+between tokens, and live progress. It has no ``features``: the worker
+refuses a request that needs a grammar, log-probabilities, a logit bias,
+tools or embeddings before this engine sees it. Output token ``i`` is the
+text ``tok{i}``, separated by spaces: ``"tok0 tok1 tok2"``.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import time
+from collections.abc import Iterator
 
 from protocol import defaults
-from protocol.errors import ErrorCode
-from protocol.messages import FinishReason
-from protocol.payloads import CHAT, EMBEDDING, GenerationRequest, GpuPlacement
-from workers.model.engine import (
-    GenerationResult,
-    JobSink,
-    LiveTimings,
-    RequestRejected,
-    TokenOutput,
-    token_budget,
-)
+from protocol.payloads import CHAT, GenerationRequest, GpuPlacement
+from workers.model.engine import GenerationResult, JobSink, token_budget
+from workers.model.token_loop import TokenLoop
 
 DEFAULT_TOKENS_PER_SECOND = 50.0
 
@@ -53,6 +50,7 @@ class SyntheticEngine:
     """Emits ``tok0 tok1 ...`` at ``tokens_per_second``, one job at a time."""
 
     name = "synthetic"
+    features = frozenset()  # no model, no logits (workers.model.features)
 
     def __init__(
         self,
@@ -79,55 +77,32 @@ class SyntheticEngine:
         return None
 
     def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
-        # No model, no logits: refuse what needs them rather than ignore it.
-        for field, given in (("grammar", request.grammar),
-                             ("logprobs", request.logprobs is not None),
-                             ("logit_bias", request.sampling.logit_bias),
-                             ("tools", request.tools),
-                             ("embeddings", request.kind == EMBEDDING)):
-            if given:
-                raise RequestRejected(ErrorCode.UNSUPPORTED_FIELD,
-                                      f"the synthetic engine has no {field}")
+        # No model, no logits: what needs them was refused before this
+        # (``features``, checked by the worker).
         started = time.perf_counter()
         n_prompt = count_prompt_tokens(request)
         max_tokens = token_budget(n_prompt, self.n_ctx, request.max_tokens)
-        live = (LiveTimings(started, n_prompt, 0)
-                if request.timings_per_token else None)
-        output = TokenOutput(sink, request.stop + request.extra_stops, live)
-        interval_s = 1.0 / self.tokens_per_second
+        loop = TokenLoop(sink, started=started, n_prompt=n_prompt,
+                         max_tokens=max_tokens,
+                         stops=request.stop + request.extra_stops,
+                         timings_per_token=request.timings_per_token,
+                         rate_since_start=True)
+        finish = loop.run(self._paced(started), functools.partial(_take, n_prompt))
+        return loop.result(finish)
 
-        n_generated = 0
-        finish = FinishReason.LENGTH
-        while n_generated < max_tokens:
+    def _paced(self, started: float) -> Iterator[int]:
+        """Token indices, each due ``1 / tokens_per_second`` after the last."""
+        interval_s = 1.0 / self.tokens_per_second
+        for index in itertools.count():
             # Pace against the start, not the previous token, so the rate
             # holds on average even when a sleep overshoots.
-            due = started + (n_generated + 1) * interval_s
-            delay = due - time.perf_counter()
+            delay = started + (index + 1) * interval_s - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            n_generated += 1
-            ended_by = output.push(token_text(n_generated - 1))
-            if ended_by is not None:
-                finish = ended_by
-                break
-            elapsed = time.perf_counter() - started
-            sink.report_progress(
-                n_prompt, n_generated, max_tokens,
-                n_generated / elapsed if elapsed > 0 else 0.0,
-                n_prompt + n_generated,
-            )
-            if sink.should_stop():
-                finish = FinishReason.CANCELLED
-                break
-        ended = time.perf_counter()
-        first_token_s = min(interval_s, ended - started) if n_generated else 0.0
-        return GenerationResult(
-            finish_reason=finish,
-            prompt_tokens=n_prompt,
-            completion_tokens=n_generated,
-            cached_tokens=0,
-            prompt_ms=first_token_s * 1000,
-            predicted_ms=(ended - started - first_token_s) * 1000,
-            tail_text="" if finish == FinishReason.CANCELLED else output.tail(),
-            stopping_word=output.stopper.matched,
-        )
+            yield index
+
+
+def _take(n_prompt: int, index: int) -> tuple[str, None, int]:
+    """Token ``index``'s text, with no log-probability entry, and the context
+    in use once it is counted."""
+    return token_text(index), None, n_prompt + index + 1

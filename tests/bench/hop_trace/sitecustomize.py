@@ -50,9 +50,9 @@ POINTS = {
                               ("Broker._on_submit", "in", "broker.submit.in"),
                               ("Broker.to_worker", "in", "broker.to_worker"),
                               ("Broker._relay_token", "in", "broker.relay")],
-    "workers.model.worker": [("ModelWorker.on_message", "in", "worker.msg."),
-                             ("ModelWorker._run_job", "in", "worker.picked"),
-                             ("ActiveJob.emit", "in", "worker.emit")],
+    "workers.model.worker_link": [("WorkerLink.on_message", "in", "worker.msg.")],
+    "workers.model.job_runner": [("JobRunner._run_job", "in", "worker.picked")],
+    "workers.model.active_job": [("ActiveJob.emit", "in", "worker.emit")],
     "workers.model.prompt_reuse": [("PromptReuse.prepare", "out",
                                     "worker.prepared")],
 }
@@ -77,6 +77,8 @@ def _message_name(args) -> str:
     if not args:
         return "?"
     first = args[0]
+    if type(first).__name__ == "Outgoing":  # a worker's frame, tagged with its job
+        first = first.message
     if isinstance(first, list) and len(first) > 1:  # frames
         from protocol import messages
         cls = messages.command_class(first)

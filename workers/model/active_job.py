@@ -1,0 +1,192 @@
+"""The job a model worker runs, as both its threads see it.
+
+``ActiveJob`` is the engine's ``JobSink`` in the main thread (frames,
+credit, progress, the thread budget it decodes with) and, in the link
+thread, the job the broker gave us (cancel, credit, heartbeat progress).
+``ThreadBudget`` is what ``--threads auto`` last heard from the broker.
+``Outgoing`` is what the main thread hands the link: a message and the job
+it belongs to, so the link forwards a job's frame only while that job is
+still the one the broker believes we run (``workers.model.worker_link``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from protocol import messages
+from protocol.payloads import JobProgress
+from workers.model.settings import WorkerSettings
+
+log = logging.getLogger("llamapool.worker")
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadBudget:
+    """``--threads auto``: the thread count the broker last gave this worker
+    (THREADS), when it arrived, and its sequence number (each budget is
+    confirmed to the broker once, with THREADS_SET)."""
+
+    n_threads: int
+    told_at: float = 0.0
+    seq: int = 0
+
+
+class ActiveJob:
+    """One running job; the engine sees it as its ``JobSink``."""
+
+    def __init__(
+        self,
+        submit: messages.Submit,
+        send: Callable[[messages.Message], None],
+        settings: WorkerSettings,
+        wanted_threads: Callable[[], ThreadBudget | None] = lambda: None,
+    ) -> None:
+        self.job_id = submit.job_id
+        self.request = submit.request
+        self._send = send
+        self._stall_timeout_s = settings.stall_timeout_s
+        self._credit = settings.credit_window_frames
+        self._credit_changed = threading.Condition()
+        self._cancelled = threading.Event()
+        #: Set when the job is ended by a worker shutdown, not by its client.
+        self.ended_by_shutdown = False
+        #: Set when the broker that gave us this job is gone: its frames are
+        #: dropped instead of confusing a new broker.
+        self.orphaned = False
+        # The engine's latest report_progress() arguments; () before the first.
+        self._progress: tuple = ()
+        self.stalled = False
+        #: monotonic time the job began waiting for credit; None: not waiting.
+        self._paused_since: float | None = None
+        #: The worker's current thread budget, when it arrived and its
+        #: sequence number (None: fixed --threads).
+        self._wanted_threads = wanted_threads
+        #: Threads the engine decodes with now (0: not reported yet).
+        self._threads_in_use = 0
+        #: The last budget (sequence number) confirmed to the broker.
+        self._confirmed_budget = -1
+
+    # --- called by the link thread -----------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        """Waiting for credit: not decoding, and it applies a new thread
+        budget before it decodes again."""
+        return self._paused_since is not None
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        with self._credit_changed:
+            self._credit_changed.notify_all()
+
+    def add_credit(self, frames: int) -> None:
+        with self._credit_changed:
+            self._credit += max(0, frames)
+            self._credit_changed.notify_all()
+
+    # --- JobSink, called by the engine in the main thread ------------------------
+
+    def emit(self, text: str, n_tokens: int, logprobs=(), timings=None) -> None:
+        with self._credit_changed:
+            self._credit -= 1
+        self._send(messages.Token(self.job_id, text, n_tokens, list(logprobs),
+                                  timings))
+
+    def emit_embedding(self, vector: bytes, n_tokens: int) -> None:
+        with self._credit_changed:
+            self._credit -= 1
+        self._send(messages.Token(self.job_id, "", n_tokens, embedding=vector))
+
+    def should_stop(self) -> bool:
+        return self._cancelled.is_set()
+
+    def wait_for_credit(self) -> bool:
+        """Pause while the client is not reading; give up after the stall timeout."""
+        started = time.monotonic()
+        deadline = started + self._stall_timeout_s
+        with self._credit_changed:
+            try:
+                while self._credit <= 0 and not self._cancelled.is_set():
+                    if self._paused_since is None:
+                        # Heartbeats say we are paused, and until when (the
+                        # broker's Retry-After counts on it).
+                        self._paused_since = started
+                        # Not decoding until credit comes: a thread budget
+                        # that came while the last token decoded is in force
+                        # already (it is applied before the next decode).
+                        # Set paused first, then read the budget: the link
+                        # thread stores the budget, then reads ``paused``,
+                        # so one of the two confirms it.
+                        self._confirm_budget()
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self.stalled = True
+                        return False
+                    self._credit_changed.wait(remaining)
+            finally:
+                self._paused_since = None
+        return not self._cancelled.is_set()
+
+    def _confirm_budget(self) -> ThreadBudget | None:
+        """Tell the broker the current thread budget is in force from the next
+        decode on (it may be holding a new job until we step down:
+        ``workers.broker.step_down``), once per budget."""
+        budget = self._wanted_threads()
+        if budget is not None and budget.seq != self._confirmed_budget:
+            self._confirmed_budget = budget.seq
+            self._send(messages.ThreadsSet(budget.n_threads))
+        return budget
+
+    def threads_to_use(self, current: int) -> int:
+        # The engine applies the answer right after this returns, before its
+        # next decode.
+        budget = self._confirm_budget()
+        if budget is None:
+            n = current
+        else:
+            n, told_at = budget.n_threads, budget.told_at
+            if n != current:
+                # How long the host was oversubscribed (or under-used): the
+                # decode that was running when THREADS arrived.
+                # (tests/bench/bench_thread_stepdown.py reads this line.)
+                log.debug("job %s: threads %d -> %d %s, %.1f ms after THREADS",
+                          self.job_id, current, n,
+                          "mid-job" if self._threads_in_use else "at its start",
+                          (time.monotonic() - told_at) * 1000)
+        self._threads_in_use = n  # the engine applies it before its next decode
+        return n
+
+    def report_progress(self, n_prompt, n_generated, max_tokens, tokens_per_s,
+                        n_ctx_used) -> None:
+        # Called for every token: keep just a tuple, replaced whole so the link
+        # thread always reads a consistent set. The typed JobProgress is built
+        # once per heartbeat, in progress().
+        self._progress = (n_prompt, n_generated, max_tokens, tokens_per_s,
+                          n_ctx_used)
+
+    # --- called by the link thread, for heartbeats --------------------------------
+
+    def progress(self) -> JobProgress:
+        paused_since = self._paused_since
+        pause_ends_in_s = None if paused_since is None else max(
+            0.0, self._stall_timeout_s - (time.monotonic() - paused_since))
+        return JobProgress(self.job_id, *self._progress,
+                           pause_ends_in_s=pause_ends_in_s,
+                           n_threads=self._threads_in_use)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outgoing:
+    """A message the main thread hands to the link thread, tagged with the
+    job it belongs to (None: it is about the worker, such as CACHE_REPORT).
+
+    The tag is the job object, not its id: the link forwards a job's frame
+    only while that very job is the one the broker gave us.
+    """
+
+    job: ActiveJob | None
+    message: messages.Message
