@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import uuid
+from typing import Any
 
 import falcon
 
@@ -18,19 +19,19 @@ from frontend.broker_link import BrokerLink
 from frontend.broker_pool import BrokerPool
 from frontend.cors import cors_middleware
 from frontend.embeddings import EmbeddingsResource
+from frontend.endpoint import GenerationEndpoint, Submission
 from frontend.errors import (
     Unavailable,
     install_error_handlers,
     write_error,
 )
-from frontend.generation import collect, start_request_job
+from frontend.interfaces import BrokerClient
+from frontend.job import Job
 from frontend.native_api import add_native_routes
 from frontend.openai_format import ResponseShaper
 from frontend.prompt_gate import PromptGate
-from frontend.request_body import read_json_body
 from frontend.request_log import RequestLogMiddleware
 from frontend.settings import FrontendSettings
-from frontend.sse import stream_answer
 from frontend.web_page import add_page_routes
 from protocol.broker_list import split_endpoints
 from protocol.curve import client_keys
@@ -51,41 +52,32 @@ class RequestIdMiddleware:
         resp.set_header("X-Request-Id", req.context.request_id)
 
 
-class GenerationResource:
-    """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+class GenerationResource(GenerationEndpoint[openai_schema.ParsedRequest]):
+    """``POST /v1/completions`` (``kind="completion"``) and
+    ``POST /v1/chat/completions`` (``kind="chat"``)."""
 
-    def __init__(self, kind: str, link: BrokerLink,
-                 settings: FrontendSettings, gate: PromptGate | None):
+    def __init__(self, kind: str, link: BrokerClient,
+                 settings: FrontendSettings, gate: PromptGate | None) -> None:
+        super().__init__(link, settings, gate)
         self.kind = kind
-        self.gate = gate
-        self.parse = (openai_schema.parse_chat if kind == "chat"
-                      else openai_schema.parse_completion)
-        self.link = link
-        self.settings = settings
+        self._parse = (openai_schema.parse_chat if kind == "chat"
+                       else openai_schema.parse_completion)
 
-    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        s = self.settings
-        parsed = self.parse(read_json_body(req, s.max_body_bytes))
-        generation = parsed.generation
-        if self.gate is not None:
-            generation = self.gate.check(generation)
-        record = req.context.record
-        record.stream = parsed.stream
-        job = start_request_job(self.link, generation, s, record, resp)
-        shaper = ResponseShaper(
+    def parse(self, body: Any) -> openai_schema.ParsedRequest:
+        return self._parse(body)
+
+    def shaper(self, req: falcon.Request,
+               submission: Submission[openai_schema.ParsedRequest],
+               job: Job) -> ResponseShaper:
+        parsed = submission.parsed
+        return ResponseShaper(
             self.kind,
             req.context.request_id,
-            job.model or s.model_name or parsed.model or "llamapool",
+            self.model_name(job, parsed.model),
             parsed.include_usage,
             parsed.logprobs,
             tools=parsed.tools,
         )
-        if not parsed.stream:
-            text, final, logprobs = collect(job)
-            resp.media = shaper.whole(text, final.finish_reason, final.usage,
-                                      final.timings, logprobs)
-            return
-        stream_answer(req, resp, job, shaper, s.stream_sndbuf_bytes)
 
 
 class LedgerView:
@@ -96,7 +88,7 @@ class LedgerView:
     state out of ``/health`` because checks timed out).
     """
 
-    def __init__(self, link: BrokerLink, settings: FrontendSettings):
+    def __init__(self, link: BrokerClient, settings: FrontendSettings):
         self.link = link
         self.settings = settings
 
@@ -251,7 +243,7 @@ def public_slot(slot: SlotStatus) -> dict:
 class LlamapoolApp(falcon.App):
     """A Falcon app that also exposes its broker link (for hooks and tests)."""
 
-    link: BrokerLink
+    link: BrokerClient
     gate: PromptGate | None
     #: Read by the gunicorn worker too (``llamapool.http_worker``).
     settings: FrontendSettings
@@ -264,7 +256,7 @@ class LlamapoolApp(falcon.App):
             self.gate.load()
 
 
-def broker_links(settings: FrontendSettings) -> BrokerLink | BrokerPool:
+def broker_links(settings: FrontendSettings) -> BrokerClient:
     """One link to the broker, or a ``BrokerPool`` over several."""
     curve = client_keys(settings.curve_server_key, settings.curve_secret_key)
     links = [
@@ -278,7 +270,7 @@ def broker_links(settings: FrontendSettings) -> BrokerLink | BrokerPool:
 
 
 def create_app(
-    settings: FrontendSettings, link: BrokerLink | None = None
+    settings: FrontendSettings, link: BrokerClient | None = None
 ) -> LlamapoolApp:
     """Build the WSGI app. ``link`` may be injected by tests."""
     link = link or broker_links(settings)

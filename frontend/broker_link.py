@@ -45,7 +45,8 @@ _JOB_MESSAGES = (
 
 
 class JobStream:
-    """The frames of one job, in arrival order."""
+    """The frames of one job, in arrival order (a ``FrameStream``,
+    ``frontend.interfaces``)."""
 
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
@@ -68,7 +69,8 @@ class JobStream:
 
 
 class BrokerLink(LinkHandler):
-    """Thread-safe access to the broker from many request threads."""
+    """Thread-safe access to the broker from many request threads (a
+    ``BrokerClient``, ``frontend.interfaces``)."""
 
     def __init__(
         self,
@@ -77,11 +79,16 @@ class BrokerLink(LinkHandler):
         heartbeat_interval_s: float,
         heartbeat_liveness: int,
         curve: ClientKeys | None = None,
+        ctx: zmq.Context | None = None,
     ) -> None:
+        """``ctx``: a context to share (tests: ``inproc://`` endpoints need
+        the broker's own); by default the link makes its process's own when
+        it starts, after the fork."""
         self.endpoint = endpoint
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_liveness = heartbeat_liveness
         self.curve = curve
+        self._ctx = ctx
         self._start_lock = threading.Lock()
         self._streams: dict[str, JobStream] = {}
         self._status_waiters: dict[str, queue.Queue] = {}
@@ -107,7 +114,8 @@ class BrokerLink(LinkHandler):
                 heartbeat_interval_s=self.heartbeat_interval_s,
                 heartbeat_liveness=self.heartbeat_liveness,
                 curve=self.curve,
-                ctx=zmq.Context(),  # this process's own, made after the fork
+                # This process's own, made after the fork, unless one was given.
+                ctx=self._ctx or zmq.Context(),
                 name="broker-link",
             )
             self._conn.start()  # after the assignment: callbacks use it

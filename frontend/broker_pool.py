@@ -5,7 +5,7 @@ registered with exactly one broker, so each broker can lease only its own
 workers and a slot is never leased twice. A frontend keeps one
 ``BrokerLink`` per broker (zguide ch. 4, Freelance: the client knows every
 server) and this class gives the rest of the frontend the same interface as
-one link:
+one link (``frontend.interfaces.BrokerClient``):
 
 * ``submit`` asks one broker. A refusal (NO_SLOT), or the loss of that
   broker before it accepted, moves the job to the next broker, each broker at
@@ -88,8 +88,10 @@ class ConversationRoutes:
 class PoolJobStream:
     """One job's frames, from whichever broker took it.
 
-    Reads like a ``JobStream``. Until a broker accepts, ``get`` moves the job
-    along the brokers it was given, in order, on a refusal or a lost broker.
+    A ``FrameStream`` (``frontend.interfaces``), as a link's ``JobStream``.
+    Until a broker accepts, ``get`` moves the job along the brokers it was
+    given, in order, on a refusal or a lost broker, through the pool's
+    ``submit_to``, ``accepted_by`` and ``refused_by``.
     """
 
     def __init__(self, pool: BrokerPool, job_id: str, request: GenerationRequest,
@@ -104,8 +106,8 @@ class PoolJobStream:
         self._tried = 0
         self._retry_after_s: float | None = None
         self.broker_index = order[0]
-        self._stream: JobStream = pool._submit_to(order[0], job_id, request, blocks,
-                                                  id_slot)
+        self._stream: JobStream = pool.submit_to(order[0], job_id, request, blocks,
+                                                 id_slot)
 
     @property
     def accepted(self) -> bool:
@@ -119,13 +121,13 @@ class PoolJobStream:
                     msg, messages.Accepted):
                 return msg
             if isinstance(msg, messages.Accepted):
-                self._pool._accepted(self.broker_index, self._blocks)
+                self._pool.accepted_by(self.broker_index, self._blocks)
                 return messages.Accepted(
                     msg.job_id, pool_slot_id(self.broker_index, msg.slot_id),
                     msg.model)
             refused = isinstance(msg, messages.NoSlot)
             if refused:
-                self._pool._refused(self.broker_index, msg.retry_after_s)
+                self._pool.refused_by(self.broker_index, msg.retry_after_s)
                 self._retry_after_s = min(msg.retry_after_s, self._retry_after_s
                                           if self._retry_after_s is not None
                                           else msg.retry_after_s)
@@ -143,16 +145,16 @@ class PoolJobStream:
         self._tried += 1
         if self._tried >= len(self._order):
             return False
-        self._pool._links[self.broker_index].forget(self.job_id)
         self.broker_index = self._order[self._tried]
-        self._stream = self._pool._submit_to(self.broker_index, self.job_id,
-                                             self._request, self._blocks,
-                                             self._id_slot)
+        self._stream = self._pool.submit_to(self.broker_index, self.job_id,
+                                            self._request, self._blocks,
+                                            self._id_slot)
         return True
 
 
 class BrokerPool:
-    """Several ``BrokerLink``s with the interface of one."""
+    """Several ``BrokerLink``s with the interface of one (a ``BrokerClient``,
+    ``frontend.interfaces``)."""
 
     def __init__(self, links: list[BrokerLink],
                  routes: ConversationRoutes | None = None) -> None:
@@ -281,22 +283,33 @@ class BrokerPool:
     def broker_losses(self) -> int:
         return sum(link.broker_losses for link in self._links)
 
-    # --- used by PoolJobStream ----------------------------------------------------
+    # --- one broker's part in a job (what ``PoolJobStream`` calls) -----------------
 
-    def _submit_to(self, index: int, job_id: str, request: GenerationRequest,
-                   blocks: list[int], id_slot: int = -1) -> JobStream:
+    def submit_to(self, index: int, job_id: str, request: GenerationRequest,
+                  blocks: list[int], id_slot: int = -1) -> JobStream:
+        """Submit the job to broker ``index`` alone; CANCEL and CREDIT for it
+        go there from now on. A broker that had the job before (it refused,
+        or was lost before it accepted) forgets it first."""
+        previous = self._job_broker.get(job_id)
+        if previous is not None and previous != index:
+            self._links[previous].forget(job_id)
         self._job_broker[job_id] = index
         return self._links[index].submit(job_id, request, blocks, id_slot)
 
-    def _accepted(self, index: int, blocks: list[int]) -> None:
+    def accepted_by(self, index: int, blocks: list[int]) -> None:
+        """Broker ``index`` took a job: it is not full, and the job's prompt
+        prefix is routed to it next time (``ConversationRoutes``)."""
         self._full_until.pop(index, None)
         if blocks:
             self.routes.remember(blocks, index)
 
-    def _refused(self, index: int, retry_after_s: float) -> None:
+    def refused_by(self, index: int, retry_after_s: float) -> None:
+        """Broker ``index`` answered NO_SLOT with ``retry_after_s``."""
         # Tried last until its own hint says a slot may be free; a refusal
         # costs one round trip, so the hint is capped at one second.
         self._full_until[index] = time.monotonic() + min(retry_after_s, 1.0)
+
+    # --- internals ------------------------------------------------------------------
 
     def _suspect(self, index: int, now: float) -> bool:
         link = self._links[index]

@@ -27,25 +27,22 @@ from __future__ import annotations
 import base64
 import json
 import struct
+from typing import Any
 
 import falcon
 
-from frontend.broker_link import BrokerLink
+from frontend import field_policy, request_fields
+from frontend.endpoint import JobEndpoint, Submission
 from frontend.errors import BadRequest, UpstreamError
-from frontend.generation import start_request_job
+from frontend.interfaces import BrokerClient
 from frontend.job import Job
 from frontend.lease import LeaseEnding
-from frontend.request_body import read_json_body
+from frontend.request_fields import RequestFields
 from frontend.settings import FrontendSettings
 from protocol import messages
 from protocol.errors import ErrorCode
 from protocol.limits import MAX_EMBEDDING_INPUTS
 from protocol.payloads import EMBEDDING, EmbeddingInput, GenerationRequest
-
-#: Fields an embedding request may carry; anything else gets a 400 naming it.
-EMBEDDING_FIELDS = frozenset({"input", "content", "model", "encoding_format",
-                              "dimensions", "user", "embd_normalize"})
-
 
 #: No vocabulary is this large; a larger id is refused at the door.
 MAX_TOKEN_ID = 2**31
@@ -93,40 +90,38 @@ def parse_inputs(value: object, param: str) -> list[EmbeddingInput]:
 class EmbeddingRequest:
     """A validated embedding body: what goes to a worker, and how to answer."""
 
-    def __init__(self, body: dict, native_route: bool) -> None:
-        for name, value in body.items():
-            if name not in EMBEDDING_FIELDS and value is not None:
-                raise BadRequest(f"'{name}' is not supported", param=name)
-        if body.get("input") is not None:
+    def __init__(self, body: object, native_route: bool) -> None:
+        fields = RequestFields(body)
+        given = {name: fields.get(name) for name in ("input", "content")}
+        if given["input"] is not None:
             param = "input"
-        elif body.get("content") is not None:
+        elif given["content"] is not None:
             param = "content"
             native_route = True  # llama.cpp: "content" is not OAI compatible
         else:
             raise BadRequest("\"input\" or \"content\" must be provided",
                              param="input")
-        self.inputs = parse_inputs(body[param], param)
+        self.inputs = parse_inputs(given[param], param)
         self.native = native_route
-        self.model = body.get("model")
-        if self.model is not None and not isinstance(self.model, str):
-            raise BadRequest("'model' must be a string", param="model")
-        fmt = body.get("encoding_format")
+        self.model = request_fields.model(fields)
+        fmt = fields.get("encoding_format")
         if fmt not in (None, "float", "base64"):
             raise BadRequest("'encoding_format' must be \"float\" or \"base64\"",
                              param="encoding_format")
         self.base64 = fmt == "base64"
-        dims = body.get("dimensions")
+        dims = fields.get("dimensions")
         if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int)
                                  or dims < 1):
             raise BadRequest("'dimensions' must be a positive integer",
                              param="dimensions")
         self.dimensions = dims
-        norm = body.get("embd_normalize")
+        norm = fields.get("embd_normalize")
         if norm is not None and (isinstance(norm, bool) or not isinstance(norm, int)
                                  or not -1 <= norm <= 64):
             raise BadRequest("'embd_normalize' must be an integer from -1 to 64",
                              param="embd_normalize")
         self.embd_normalize = 2 if norm is None else norm
+        fields.finish(field_policy.EMBEDDING)
 
     def generation(self) -> GenerationRequest:
         return GenerationRequest(kind=EMBEDDING, inputs=self.inputs,
@@ -181,28 +176,34 @@ def shape_response(parsed: EmbeddingRequest, vectors: list[bytes], model: str,
             + json.dumps(model) + ',"usage":' + json.dumps(usage) + "}").encode()
 
 
-class EmbeddingsResource:
-    """``POST /v1/embeddings`` (``native=False``), ``/embeddings`` (True)."""
+class EmbeddingsResource(JobEndpoint[EmbeddingRequest]):
+    """``POST /v1/embeddings`` (``native=False``), ``/embeddings`` (True).
 
-    def __init__(self, link: BrokerLink, settings: FrontendSettings,
+    No prompt gate: the worker counts an input's tokens, and refuses one
+    longer than its context."""
+
+    def __init__(self, link: BrokerClient, settings: FrontendSettings,
                  native: bool) -> None:
-        self.link = link
-        self.settings = settings
+        super().__init__(link, settings)
         self.native = native
 
-    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        s = self.settings
-        parsed = EmbeddingRequest(read_json_body(req, s.max_body_bytes),
-                                  self.native)
-        record = req.context.record
-        job = start_request_job(self.link, parsed.generation(), s, record, resp)
+    def parse(self, body: Any) -> EmbeddingRequest:
+        return EmbeddingRequest(body, self.native)
+
+    def admit(self, parsed: EmbeddingRequest, body: Any
+              ) -> Submission[EmbeddingRequest]:
+        return Submission(parsed, parsed.generation())
+
+    def respond(self, req: falcon.Request, resp: falcon.Response,
+                submission: Submission[EmbeddingRequest], job: Job) -> None:
+        parsed = submission.parsed
         vectors, final = collect_vectors(job)
         if final.finish_reason == "cancelled" or len(vectors) != len(parsed.inputs):
             # Only a cancel we did not send ends it early (a frontend death
             # seen by the broker); never answer with part of a batch.
             raise UpstreamError(ErrorCode.WORKER_SHUTDOWN,
                                 "the embedding job ended before every input")
-        model = job.model or s.model_name or parsed.model or "llamapool"
+        model = self.model_name(job, parsed.model)
         resp.content_type = falcon.MEDIA_JSON
         resp.data = shape_response(parsed, vectors, model,
                                    final.usage.prompt_tokens)

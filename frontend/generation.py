@@ -7,49 +7,30 @@ release too), and an error the worker or broker reported becomes an HTTP
 status, since nothing was sent yet. On success the caller moves the ``Job``
 (which owns the lease) into a response body (``EventStreamBody``) or drains
 it with ``collect``.
+
+What happened is returned, never written: the job names its slot and model,
+its ``JobOutcome`` (from ``new_outcome``) fills in as frames arrive, and
+``on_release`` hears the lease's ending. The HTTP headers and the request's
+log record are the endpoint pipeline's (``frontend.endpoint``).
 """
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable
 
-from frontend.broker_link import BrokerLink
 from frontend.errors import NoSlotAvailable, Unavailable, UpstreamError
+from frontend.interfaces import BrokerClient
 from frontend.job import Job, JobOutcome
 from frontend.lease import LeaseEnding, SlotLease
-from frontend.settings import FrontendSettings
 from protocol import messages
 from protocol.errors import ErrorCode
 from protocol.payloads import GenerationRequest, TokenLogprob
 from protocol.prefix import prefix_blocks
 
 
-def start_request_job(link: BrokerLink, generation: GenerationRequest,
-                      settings: FrontendSettings, record, resp,
-                      id_slot: int = -1) -> Job:
-    """``start_job`` for an HTTP request: the frontend's timeouts, the
-    request's log record (``frontend.request_log``) kept up to date, and the
-    answer's headers naming the slot and the process that holds the lease
-    (for operators and fault tests)."""
-    job = start_job(
-        link, generation,
-        submit_timeout_s=settings.submit_timeout_s,
-        frame_timeout_s=settings.frame_timeout_s,
-        credit_batch_frames=settings.credit_batch_frames,
-        new_outcome=record.expect_job,
-        on_release=record.lease_released,
-        id_slot=id_slot,
-    )
-    record.slot_id = job.slot_id
-    resp.set_header("X-Slot-Id", str(job.slot_id))
-    resp.set_header("X-Frontend-Pid", str(os.getpid()))
-    return job
-
-
 def start_job(
-    link: BrokerLink,
+    link: BrokerClient,
     generation: GenerationRequest,
     *,
     submit_timeout_s: float,
@@ -102,7 +83,7 @@ def start_job(
 
 
 def _submit(
-    link: BrokerLink,
+    link: BrokerClient,
     generation: GenerationRequest,
     *,
     submit_timeout_s: float,

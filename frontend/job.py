@@ -15,6 +15,10 @@ only shape what it hands them: SSE events (``frontend.sse``) or one JSON body
 A frame timeout is handed out as an ERROR frame with code ``timeout``, made
 here, after the lease has ended with ``TIMEOUT`` (which sends CANCEL), so
 every caller shows it like any other error.
+
+Nothing here writes an HTTP header or a request-log field: a job says what
+happened (``slot_id``, ``model``, its ``JobOutcome``, the lease's ending)
+and the endpoint pipeline (``frontend.endpoint``) writes them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from frontend.broker_link import JobStream
+from frontend.interfaces import FrameStream
 from frontend.lease import LeaseEnding, SlotLease
 from protocol import messages
 from protocol.errors import ErrorCode
@@ -71,7 +75,7 @@ class Job:
 
     Args:
         lease: taken before SUBMIT; ended here, or by ``end``.
-        stream: the job's frames from the broker link.
+        stream: the job's frames, from ``BrokerClient.submit``.
         send: the broker link's ``send`` (for CREDIT).
         frame_timeout_s: longest silence before the job is given up.
         credit_batch_frames: consumed frames per CREDIT message.
@@ -81,7 +85,7 @@ class Job:
     def __init__(
         self,
         lease: SlotLease,
-        stream: JobStream,
+        stream: FrameStream,
         *,
         send: Callable[[messages.Message], None],
         frame_timeout_s: float,

@@ -4,7 +4,8 @@
 Who answers:
 
 * ``/completion`` and ``/infill`` are generation jobs like the OpenAI ones:
-  they take a slot, through the same ``start_job`` and lease.
+  they take a slot, through the same request pipeline
+  (``frontend.endpoint``), ``start_job`` and lease.
 * ``/tokenize``, ``/detokenize`` and ``/apply-template`` are answered here,
   from the vocabulary the frontend loads anyway to count prompt tokens
   (``frontend.prompt_gate``, the frontend's ``--model``). They take no slot
@@ -22,16 +23,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+from typing import Any
 
 import falcon
 
 from frontend import model_code, openai_schema
-from frontend.broker_link import BrokerLink
+from frontend.endpoint import GenerationEndpoint, Submission
 from frontend.errors import ApiError, BadRequest
-from frontend.generation import collect, start_request_job
+from frontend.interfaces import BrokerClient
+from frontend.job import Job
 from frontend.native_format import NativeShaper, sampler_params
 from frontend.native_schema import (
-    INFILL_FIELDS,
     NativeRequest,
     PromptPart,
     parse_completion,
@@ -42,7 +44,6 @@ from frontend.native_schema import (
 from frontend.prompt_gate import PromptGate
 from frontend.request_body import read_json_body
 from frontend.settings import FrontendSettings
-from frontend.sse import stream_answer
 from protocol.payloads import Sampling
 
 
@@ -91,14 +92,12 @@ def tokenize_parts(builder, parts: str | list[PromptPart], *, add_special: bool,
     return tokens
 
 
-class NativeCompletionResource:
+class NativeCompletionResource(GenerationEndpoint[NativeRequest]):
     """``POST /completion`` and ``POST /infill``."""
 
-    def __init__(self, link: BrokerLink, settings: FrontendSettings,
+    def __init__(self, link: BrokerClient, settings: FrontendSettings,
                  gate: PromptGate | None, infill: bool = False) -> None:
-        self.link = link
-        self.settings = settings
-        self.gate = gate
+        super().__init__(link, settings, gate)
         self.infill = infill
 
     def _settle_prompt(self, parsed: NativeRequest, body: dict
@@ -159,30 +158,27 @@ class NativeCompletionResource:
         except model_code.PromptTooLong as exc:
             raise model_code.prompt_too_long(exc, "input_prefix") from None
 
-    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        s = self.settings
-        body = read_json_body(req, s.max_body_bytes)
-        if self.infill:
-            parsed = parse_completion(body, INFILL_FIELDS)
-        else:
-            parsed = parse_completion(body)
+    def parse(self, body: Any) -> NativeRequest:
+        parsed = parse_completion(body, infill=self.infill)
+        return parsed
+
+    def admit(self, parsed: NativeRequest, body: Any
+              ) -> Submission[NativeRequest]:
         parsed, n_prompt, prompt_text = self._settle_prompt(parsed, body)
-        record = req.context.record
-        record.stream = parsed.stream
-        job = start_request_job(self.link, parsed.generation, s, record, resp,
-                                id_slot=parsed.id_slot)
-        shaper = NativeShaper(
-            generation=parsed.generation,
-            model=job.model or s.model_name or "llamapool",
+        return Submission(parsed, parsed.generation, stream=parsed.stream,
+                          id_slot=parsed.id_slot, n_prompt=n_prompt,
+                          prompt_text=prompt_text)
+
+    def shaper(self, req: falcon.Request, submission: Submission[NativeRequest],
+               job: Job) -> NativeShaper:
+        parsed = submission.parsed
+        return NativeShaper(
+            generation=submission.generation,
+            model=self.model_name(job, parsed.model),
             id_slot=job.slot_id if job.slot_id is not None else -1,
-            n_prompt=n_prompt, prompt_text=prompt_text, n_probs=parsed.n_probs,
-            show_probs=parsed.show_probs, return_tokens=parsed.return_tokens,
-            stream=parsed.stream)
-        if not parsed.stream:
-            text, final, entries = collect(job)
-            resp.media = shaper.whole(text, final, entries)
-            return
-        stream_answer(req, resp, job, shaper, s.stream_sndbuf_bytes)
+            n_prompt=submission.n_prompt, prompt_text=submission.prompt_text,
+            n_probs=parsed.n_probs, show_probs=parsed.show_probs,
+            return_tokens=parsed.return_tokens, stream=parsed.stream)
 
 
 class TokenizeResource:
@@ -267,7 +263,7 @@ def build_info() -> str:
 class PropsResource:
     """``GET /props`` (public fields of the pool) and ``POST /props`` (refused)."""
 
-    def __init__(self, link: BrokerLink, settings: FrontendSettings,
+    def __init__(self, link: BrokerClient, settings: FrontendSettings,
                  gate: PromptGate | None) -> None:
         self.link = link
         self.settings = settings
@@ -311,8 +307,8 @@ class PropsResource:
                            "properties")
 
 
-def add_native_routes(app: falcon.App, link: BrokerLink, settings: FrontendSettings,
-                      gate: PromptGate | None) -> None:
+def add_native_routes(app: falcon.App, link: BrokerClient,
+                      settings: FrontendSettings, gate: PromptGate | None) -> None:
     """Route llama.cpp's native endpoints. ``/completions`` (plural) stays
     OpenAI's (``frontend.app``): see docs/llama-cpp-compatibility.md."""
     app.add_route("/completion", NativeCompletionResource(link, settings, gate))

@@ -85,7 +85,8 @@ def _event(obj: dict) -> bytes:
 
 @dataclasses.dataclass
 class NativeShaper:
-    """Builds the native JSON for one request.
+    """Builds the native JSON for one request (a ``Shaper``,
+    ``frontend.interfaces``).
 
     Args:
         generation: the request as sent to the worker.
@@ -153,14 +154,14 @@ class NativeShaper:
             "timings": native_timings(msg.timings, usage.cached_tokens),
         }
 
-    def whole(self, text: str, msg: messages.Final, entries: list[TokenLogprob]
-              ) -> dict:
-        out = self.final(msg, text, entries)
+    def whole_answer(self, text: str, final: messages.Final,
+                     entries: list[TokenLogprob]) -> dict:
+        out = self.final(final, text, entries)
         if self.show_probs:
             out["completion_probabilities"] = probabilities(entries)
         return out
 
-    # --- the SSE body's interface (``frontend.sse.EventStreamBody``) -------------
+    # --- the rest of ``Shaper``: what the SSE body calls -------------------------
 
     def final_frame_events(self, msg: messages.Final) -> bytes:
         # The final chunk carries the held-back tail and its entries; no

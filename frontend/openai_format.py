@@ -46,7 +46,8 @@ def _version(distribution: str) -> str:
 
 
 class ResponseShaper:
-    """Builds the JSON a client expects for one request.
+    """Builds the JSON a client expects for one request (a ``Shaper``,
+    ``frontend.interfaces``).
 
     Args:
         kind: ``completion`` or ``chat``.
@@ -197,8 +198,11 @@ class ResponseShaper:
 
     # --- whole response ----------------------------------------------------------
 
-    def whole(self, text: str, finish_reason: str, usage: Usage,
-              timings: Timings, entries: list[TokenLogprob] = ()) -> dict:
+    def whole_answer(self, text: str, final: messages.Final,
+                     entries: list[TokenLogprob] = ()) -> dict:
+        """The whole answer: ``text`` is all the job's output, ``final`` its
+        FINAL frame, ``entries`` every token's log-probabilities."""
+        finish_reason = final.finish_reason
         logprobs = self._logprobs(list(entries))
         if self.chat:
             message: dict = {"role": "assistant", "content": text}
@@ -220,7 +224,6 @@ class ResponseShaper:
             "model": self.model,
             "system_fingerprint": self.system_fingerprint,
             "choices": [choice],
-            "usage": usage.public(),
-            "timings": timings.public(),
+            "usage": final.usage.public(),
+            "timings": final.timings.public(),
         }
-

@@ -10,7 +10,7 @@ The frames themselves, credit and the lease's other endings belong to
 each ``__next__`` call means the previous event was written to the socket,
 so asking the job for the next frame is what returns credit to the worker. A
 client that stops reading stops the credit, and the worker pauses
-(``workers.model.worker.ActiveJob``).
+(``workers.model.active_job.ActiveJob``).
 """
 
 from __future__ import annotations
@@ -19,17 +19,16 @@ import socket
 
 import falcon
 
+from frontend.interfaces import Shaper
 from frontend.job import Job
 from frontend.lease import LeaseEnding
-from frontend.native_format import NativeShaper
-from frontend.openai_format import ResponseShaper
 from protocol import messages
 
 
 class EventStreamBody:
     """Yields SSE events for one job until its terminal frame."""
 
-    def __init__(self, job: Job, shaper: ResponseShaper | NativeShaper) -> None:
+    def __init__(self, job: Job, shaper: Shaper) -> None:
         self._job = job
         self._shaper = shaper
         self.outcome = job.outcome
@@ -90,7 +89,7 @@ def tune_stream_socket(req: falcon.Request, sndbuf_bytes: int) -> None:
 
 
 def stream_answer(req: falcon.Request, resp: falcon.Response, job: Job,
-                  shaper, sndbuf_bytes: int) -> None:
+                  shaper: Shaper, sndbuf_bytes: int) -> None:
     """Answer with the job's events; from here on the body owns the job, and
     with it the lease."""
     tune_stream_socket(req, sndbuf_bytes)

@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny model and a real pool of processes."""
+"""Shared fixtures: the tiny model, the pool factory, the in-process pool."""
 
 from __future__ import annotations
 
@@ -7,10 +7,16 @@ import sys
 
 import pytest
 
-from tests.pool import Pool
+from tests.inproc_pool import InprocPool
+from tests.pool_factory import PoolFactory, plan_from, pool_fixture
 
 #: ``subprocess.Popen`` itself, for the guard below to call.
 _POPEN = subprocess.Popen
+
+#: The session's pool factories (one per run; a list for the summary hook).
+_FACTORIES: list[PoolFactory] = []
+#: Which modules will ask for which pools (``pytest_collection_finish``).
+_PLAN: list = []
 
 
 #: The layers' weight type of the tests' model: a block quant, so the real-
@@ -22,23 +28,33 @@ TEST_MODEL_QUANT = "q4_0"
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """The random-weight test GGUF, written by the real CLI command."""
+    """The random-weight test GGUF, written by the real CLI command (through
+    ``_POPEN``: the unit tier's tests load it too, and the guard below does
+    not count this one process against them)."""
     path = tmp_path_factory.mktemp("model") / "tiny.gguf"
-    subprocess.run(
+    proc = _POPEN(
         [sys.executable, "-m", "llamapool", "make-test-model", str(path),
          "--quant", TEST_MODEL_QUANT],
-        check=True, capture_output=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
+    output, _ = proc.communicate()
+    assert proc.returncode == 0, output.decode(errors="replace")
     return path
 
 
-@pytest.fixture(scope="module")
-def pool(tiny_model, tmp_path_factory):
-    """Broker + 2 workers + gunicorn, shared by one test module."""
-    run_dir = tmp_path_factory.mktemp("pool")
-    p = Pool(tiny_model, run_dir, workers=2)
-    yield p
-    p.stop()
+@pytest.fixture(scope="session")
+def pool_factory(tiny_model, tmp_path_factory):
+    """Running pools by their options, shared by every module that asks with
+    equal ones (``tests/pool_factory.py``)."""
+    factory = PoolFactory(tiny_model, tmp_path_factory.mktemp, plan=_PLAN or None)
+    _FACTORIES.append(factory)
+    yield factory
+    factory.close()
+
+
+#: Broker + 2 workers + gunicorn on the tiny model: the session's default
+#: pool, handed to each module that uses it in turn.
+pool = pool_fixture(workers=2)
 
 
 @pytest.fixture
@@ -48,18 +64,51 @@ def whole_pool(pool):
     pool.assert_whole()
 
 
-@pytest.fixture(autouse=True)
-def processes_need_the_stack_mark(request, monkeypatch):
-    """A test that starts a process (a pool, a CLI command) must say so with
-    ``@pytest.mark.stack``: ``make test-unit`` runs the others alone, and
-    must stay fast and free of processes. Session fixtures (the tiny model,
-    written by the real CLI) are made before this guard applies."""
-    if request.node.get_closest_marker("stack") is not None:
-        return
+@pytest.fixture(scope="module")
+def inproc_pool():
+    """Broker and 2 synthetic workers in threads, on ``inproc://``: for the
+    frontend's own logic, in process (``tests/inproc_pool.py``). Its
+    ``client(**frontend_settings)`` is a Falcon ``TestClient``."""
+    p = InprocPool(workers=2)
+    try:
+        yield p
+        p.assert_whole()
+    finally:
+        p.stop()
 
+
+def _unmarked_popen(nodeid: str):
     class UnmarkedPopen(_POPEN):
         def __init__(self, args, *rest, **kwargs):
-            pytest.fail(f"{request.node.nodeid} starts a process ({args!r}) "
+            pytest.fail(f"{nodeid} starts a process ({args!r}) "
                         "without @pytest.mark.stack", pytrace=False)
 
-    monkeypatch.setattr(subprocess, "Popen", UnmarkedPopen)
+    return UnmarkedPopen
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test that starts a process (a pool, a CLI command) must say so with
+    ``@pytest.mark.stack``: ``make test-unit`` runs the others alone, and
+    must stay fast and free of processes. The guard spans the test's whole
+    setup, so a module- or session-scoped fixture that an unmarked test is
+    the first to ask for (a pool) is caught too; the session's tiny model
+    is written through ``_POPEN`` and is not."""
+    if item.get_closest_marker("stack") is not None:
+        return (yield)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(subprocess, "Popen", _unmarked_popen(item.nodeid))
+    try:
+        return (yield)
+    finally:
+        patch.undo()
+
+
+def pytest_collection_finish(session):
+    _PLAN[:] = plan_from(session.items)
+
+
+def pytest_terminal_summary(terminalreporter):
+    for factory in _FACTORIES:
+        if factory.started:
+            terminalreporter.write_line(f"pool factory: {factory.summary()}")

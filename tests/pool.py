@@ -227,29 +227,41 @@ class Pool:
         self.worker_env = worker_env
         self.global_args = global_args
         self.broker_args = broker_args
-        self.broker = self._start_broker()
         self.workers: list[Proc] = []
+        self.frontend: Proc | None = None
+        self.probe: BrokerProbe | None = None
         self._worker_serial = 0
-        for _ in range(workers):
-            self.start_worker()
-        env = dict(os.environ)
-        env.update({"LLAMAPOOL_FRONTEND_PROCESSES": "2",
-                    "LLAMAPOOL_FRONTEND_THREADS": "32"})
-        env.update(frontend_env or {})
-        key_args = [a for k in api_keys for a in ("--api-key", k)]
-        self.frontend = Proc(
-            "frontend",
-            cli(*global_args, "frontend", "--broker", self.frontends_ep,
-                "--bind", f"127.0.0.1:{self.port}",
-                # Without the model file the workers tokenise every prompt.
-                *(("--model", str(model_path)) if frontend_tokenizes else ()),
-                "--ctx", "2048", *key_args, *TEST_HEARTBEAT),
-            run_dir, env=env,
-        )
-        self.probe = BrokerProbe(self.frontends_ep)
-        if wait_ready:
-            self.wait_free(workers, timeout_s=60)
-            wait_until(self.http_up, 60, "gunicorn to answer /health")
+        self.broker = self._start_broker()
+        try:
+            for _ in range(workers):
+                self.start_worker()
+            env = dict(os.environ)
+            env.update({"LLAMAPOOL_FRONTEND_PROCESSES": "2",
+                        "LLAMAPOOL_FRONTEND_THREADS": "32"})
+            env.update(frontend_env or {})
+            key_args = [a for k in api_keys for a in ("--api-key", k)]
+            self.frontend = Proc(
+                "frontend",
+                cli(*global_args, "frontend", "--broker", self.frontends_ep,
+                    "--bind", f"127.0.0.1:{self.port}",
+                    # Without the model file the workers tokenise every prompt.
+                    *(("--model", str(model_path)) if frontend_tokenizes else ()),
+                    "--ctx", "2048", *key_args, *TEST_HEARTBEAT),
+                run_dir, env=env,
+            )
+            self.probe = BrokerProbe(self.frontends_ep)
+            if wait_ready:
+                self.wait_free(workers, timeout_s=60)
+                wait_until(self.http_up, 60, "gunicorn to answer /health")
+        except BaseException as exc:
+            # No process (and no probe's context) outlives a pool that never
+            # came up: the caller has no pool to stop. The logs say why.
+            logs = self.logs()
+            with contextlib.suppress(AssertionError):  # the first error counts
+                self.stop()
+            if not isinstance(exc, Exception):
+                raise
+            raise AssertionError(f"the pool did not start: {exc}\n{logs}") from exc
 
     def _start_broker(self) -> Proc:
         return Proc("broker", cli("broker", "--frontends", self.frontends_ep,
@@ -309,15 +321,21 @@ class Pool:
         """Free slots return to the number of live workers."""
         return self.wait_free(self.live_workers(), timeout_s)
 
+    def _procs(self) -> list[Proc]:
+        frontend = [self.frontend] if self.frontend is not None else []
+        return [*frontend, *self.workers, self.broker]
+
     def logs(self) -> str:
-        procs = [self.broker, self.frontend, *self.workers]
+        procs = [self.broker, *self._procs()[:-1]]
         return "\n".join(f"--- {p.name}\n{p.log()}" for p in procs)
 
     def stop(self) -> None:
         """SIGTERM everything: frontend, workers, broker. All must exit."""
-        self.probe.close()
+        if self.probe is not None:
+            self.probe.close()
+            self.probe = None  # stop() may be called again: once is enough
         errors = []
-        for proc in [self.frontend, *self.workers, self.broker]:
+        for proc in self._procs():
             if not proc.alive():
                 continue
             try:

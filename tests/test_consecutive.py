@@ -16,7 +16,7 @@ import socket
 import httpx
 import pytest
 
-from tests.pool import Pool
+from tests.pool_factory import pool_fixture
 
 pytestmark = pytest.mark.stack
 
@@ -25,11 +25,7 @@ BASES = ["The quick brown fox", "Hello world, this is a test of the model",
          "you say yes I say no", "a"]
 
 
-@pytest.fixture(scope="module")
-def one_worker_pool(tiny_model, tmp_path_factory):
-    p = Pool(tiny_model, tmp_path_factory.mktemp("one"), workers=1)
-    yield p
-    p.stop()
+one_worker_pool = pool_fixture(workers=1)
 
 
 def _cancel_after_first_event(port: int, body: dict) -> None:

@@ -16,7 +16,7 @@ import threading
 import httpx
 import pytest
 
-from tests.pool import Pool
+from tests.pool_factory import pool_fixture
 from tests.system_tools import require_tool
 
 pytestmark = pytest.mark.stack
@@ -59,23 +59,16 @@ def page_servers():
         s.close()
 
 
-@pytest.fixture(scope="module")
-def open_pool(tiny_model, tmp_path_factory):
-    """Default CORS: any origin, as llama.cpp's ``--cors-origins *``."""
-    p = Pool(tiny_model, tmp_path_factory.mktemp("cors-open"), workers=1,
-             api_keys=(KEY,))
-    yield p
-    p.stop()
+#: Default CORS: any origin, as llama.cpp's ``--cors-origins *``.
+open_pool = pool_fixture(workers=1, api_keys=(KEY,))
 
 
 @pytest.fixture(scope="module")
-def restricted_pool(tiny_model, tmp_path_factory, page_servers):
+def restricted_pool(pool_factory, page_servers):
     """Only the first page server's origin is allowed."""
-    p = Pool(tiny_model, tmp_path_factory.mktemp("cors-restricted"), workers=1,
-             api_keys=(KEY,),
-             frontend_env={"LLAMAPOOL_CORS_ORIGINS": page_servers[0].origin})
-    yield p
-    p.stop()
+    with pool_factory(workers=1, api_keys=(KEY,), frontend_env={
+            "LLAMAPOOL_CORS_ORIGINS": page_servers[0].origin}) as p:
+        yield p
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.pool import Pool, wait_until
+from tests.pool_factory import pool_fixture
 
 pytestmark = pytest.mark.stack
 
@@ -120,13 +121,9 @@ def legit_requests(url: str) -> dict[str, callable]:
     }
 
 
-@pytest.fixture
-def deadline_pool(tiny_model, tmp_path):
-    p = Pool(tiny_model, tmp_path, workers=1,
-             frontend_env={"LLAMAPOOL_HEADER_TIMEOUT_S": "10",
-                           "LLAMAPOOL_BODY_TIMEOUT_S": "10"})
-    yield p
-    p.stop()
+deadline_pool = pool_fixture(workers=1,
+                             frontend_env={"LLAMAPOOL_HEADER_TIMEOUT_S": "10",
+                                           "LLAMAPOOL_BODY_TIMEOUT_S": "10"})
 
 
 SLOW_HEAD = b"GET /health HTTP/1.1\r\nHost: test\r\nX-Slow: "

@@ -20,7 +20,8 @@ import json
 import httpx
 import pytest
 
-from tests.pool import Pool, sse_events
+from tests.pool import sse_events
+from tests.pool_factory import pool_fixture
 from tests.test_slot_paths import RawStream
 from workers.model.synthetic_engine import token_text
 
@@ -38,25 +39,17 @@ FRAME_TIMEOUT_S = 2
 MAX_TOKENS = 250
 
 
-@pytest.fixture(scope="module")
-def slow_pool(tiny_model, tmp_path_factory):
-    """One slow synthetic worker behind a frontend with a short frame timeout."""
-    p = Pool(tiny_model, tmp_path_factory.mktemp("slow"), workers=1,
-             worker_args=("--engine", "synthetic", "--tokens-per-second",
-                          str(SLOW_TPS)),
-             frontend_env={"LLAMAPOOL_FRAME_TIMEOUT_S": str(FRAME_TIMEOUT_S)})
-    yield p
-    p.stop()
+#: One slow synthetic worker behind a frontend with a short frame timeout.
+slow_pool = pool_fixture(
+    workers=1,
+    worker_args=("--engine", "synthetic", "--tokens-per-second", str(SLOW_TPS)),
+    frontend_env={"LLAMAPOOL_FRAME_TIMEOUT_S": str(FRAME_TIMEOUT_S)})
 
 
-@pytest.fixture(scope="module")
-def stalling_pool(tiny_model, tmp_path_factory):
-    """One fast synthetic worker that gives up on a silent client after 1 s."""
-    p = Pool(tiny_model, tmp_path_factory.mktemp("stalling"), workers=1,
-             worker_args=("--engine", "synthetic", "--tokens-per-second", "1000",
-                          "--stall-timeout-s", "1"))
-    yield p
-    p.stop()
+#: One fast synthetic worker that gives up on a silent client after 1 s.
+stalling_pool = pool_fixture(
+    workers=1, worker_args=("--engine", "synthetic", "--tokens-per-second", "1000",
+                            "--stall-timeout-s", "1"))
 
 
 def test_frame_timeout_mid_stream_cancels_the_job(slow_pool):

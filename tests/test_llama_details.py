@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.pool import Pool, sse_events
+from tests.pool_factory import pool_fixture
 
 pytestmark = pytest.mark.stack
 
@@ -30,13 +31,8 @@ def client(whole_pool):
                          max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def ungated_pool(tiny_model, tmp_path_factory):
-    """No ``--model`` for the frontend: a worker counts the prompt."""
-    p = Pool(tiny_model, tmp_path_factory.mktemp("ungated"), workers=1,
-             frontend_tokenizes=False)
-    yield p
-    p.stop()
+#: No ``--model`` for the frontend: a worker counts the prompt.
+ungated_pool = pool_fixture(workers=1, frontend_tokenizes=False)
 
 
 def stream(pool: Pool, path: str, body: dict) -> list:
@@ -89,12 +85,8 @@ def test_streamed_chat_first_chunk_with_the_openai_client(client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_a_stream_with_no_text_still_names_the_role_first(whole_pool):
-    events = stream(whole_pool, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0})
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant",
-                                                "content": None}
-    assert events[1]["choices"][0]["finish_reason"] == "length"
+# A stream with no text still names the role first: in process, in
+# tests/test_frontend_inproc.py.
 
 
 # --- timings ----------------------------------------------------------------------
@@ -154,11 +146,8 @@ def test_without_timings_per_token_text_chunks_have_none(whole_pool):
     assert "timings" in events[-2]
 
 
-def test_timings_per_token_must_be_a_boolean(whole_pool):
-    r = httpx.post(whole_pool.url + "/v1/completions", json={
-        "prompt": "Hi", "timings_per_token": "yes"}, timeout=60)
-    assert r.status_code == 400
-    assert r.json()["error"]["param"] == "timings_per_token"
+# timings_per_token must be a boolean: in process, in
+# tests/test_frontend_inproc.py.
 
 
 # --- a prompt longer than the context ------------------------------------------------
@@ -230,18 +219,8 @@ def test_system_fingerprint_on_whole_and_streamed_responses(client, whole_pool):
 # --- two assistant messages at the end ---------------------------------------------
 
 
-def test_two_trailing_assistant_messages_are_refused(whole_pool):
-    before = whole_pool.status()["counters"].get("submitted", 0)
-    r = httpx.post(whole_pool.url + "/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "Hi"},
-                     {"role": "assistant", "content": "Hello"},
-                     {"role": "assistant", "content": "there"}]}, timeout=60)
-    assert r.status_code == 400
-    error = r.json()["error"]
-    assert error["message"] == ("Cannot have 2 or more assistant messages at "
-                                "the end of the list.")
-    assert (error["type"], error["param"]) == ("invalid_request_error", "messages")
-    assert whole_pool.status()["counters"].get("submitted", 0) == before
+# Two are refused before any worker sees them: in process, in
+# tests/test_frontend_inproc.py.
 
 
 def test_one_trailing_assistant_message_is_answered(whole_pool):

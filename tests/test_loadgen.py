@@ -22,7 +22,8 @@ import pytest
 
 from llamapool import loadgen
 from protocol.payloads import ChatMessage, GenerationRequest
-from tests.pool import Pool, Proc, cli, free_port, wait_until
+from tests.pool import Proc, cli, free_port, wait_until
+from tests.pool_factory import pool_fixture
 from workers.model.engine import RequestRejected
 from workers.model.synthetic_engine import SyntheticEngine
 
@@ -49,23 +50,25 @@ def assert_ordered(percentiles: dict) -> None:
     assert values == sorted(values), percentiles
 
 
-@pytest.fixture(scope="module")
-def synthetic_pool(tiny_model, tmp_path_factory):
-    """Broker + 2 synthetic workers (100 tokens/s) + gunicorn."""
-    run_dir = tmp_path_factory.mktemp("synthetic-pool")
-    p = Pool(tiny_model, run_dir, workers=2, worker_args=(
-        "--engine", "synthetic", "--tokens-per-second", str(SYNTHETIC_TPS)))
-    yield p
-    p.stop()
+#: Broker + 2 synthetic workers (100 tokens/s) + gunicorn.
+synthetic_pool = pool_fixture(workers=2, worker_args=(
+    "--engine", "synthetic", "--tokens-per-second", str(SYNTHETIC_TPS)))
 
 
 @pytest.fixture(scope="module")
-def llama_cpp_server(tiny_model, tmp_path_factory):
-    """llama-cpp-python's own OpenAI server on the tiny model."""
+def llama_cpp_server(tmp_path_factory):
+    """llama-cpp-python's own OpenAI server on the tiny model, in F32: what is
+    under test is the load generator, and that server has no switch for
+    llama.cpp's weight repacking, whose AMX kernel crashes on Q4 weights
+    (``workers.model.weight_repack``); F32 weights are never repacked."""
     run_dir = tmp_path_factory.mktemp("llama-cpp-server")
+    model = run_dir / "tiny-f32.gguf"
+    subprocess.run([sys.executable, "-m", "llamapool", "make-test-model",
+                    str(model), "--quant", "f32"], check=True,
+                   capture_output=True)
     port = free_port()
     proc = Proc("llama-cpp-server", [
-        sys.executable, "-m", "llama_cpp.server", "--model", str(tiny_model),
+        sys.executable, "-m", "llama_cpp.server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048",
     ], run_dir)
     url = f"http://127.0.0.1:{port}"

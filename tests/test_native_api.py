@@ -20,6 +20,7 @@ import pytest
 
 from llamapool.test_model import BOS_ID, CHAT_TEMPLATE, FIM_PIECES
 from tests.pool import Pool, sse_events
+from tests.pool_factory import pool_fixture
 from tests.test_slot_paths import RawStream, wait_paused
 
 pytestmark = pytest.mark.stack
@@ -334,14 +335,13 @@ def test_infill_without_fim_tokens_is_a_clear_400(whole_pool):
 
 
 @pytest.fixture(scope="module")
-def fim_pool(tmp_path_factory):
+def fim_pool(tmp_path_factory, pool_factory):
     """One worker and a frontend on a tiny model that has FIM tokens."""
     path = tmp_path_factory.mktemp("fim") / "fim.gguf"
     subprocess.run([sys.executable, "-m", "llamapool", "make-test-model", "--fim",
                     str(path)], check=True, capture_output=True)
-    pool = Pool(path, tmp_path_factory.mktemp("fim-pool"), workers=1)
-    yield pool
-    pool.stop()
+    with pool_factory(model=path, workers=1) as pool:
+        yield pool
 
 
 def test_infill_lays_out_the_fim_prompt(fim_pool):
@@ -377,13 +377,8 @@ def test_infill_lays_out_the_fim_prompt(fim_pool):
 # --- a frontend without the model file --------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def bare_pool(tiny_model, tmp_path_factory):
-    """A frontend started without ``--model``: no vocabulary of its own."""
-    pool = Pool(tiny_model, tmp_path_factory.mktemp("bare-pool"), workers=1,
-                frontend_tokenizes=False)
-    yield pool
-    pool.stop()
+#: A frontend started without ``--model``: no vocabulary of its own.
+bare_pool = pool_fixture(workers=1, frontend_tokenizes=False)
 
 
 @pytest.mark.parametrize("path,body", [

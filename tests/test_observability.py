@@ -12,7 +12,8 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.pool import Pool, Proc, cli, free_port, wait_until
+from tests.pool import Proc, cli, free_port, wait_until
+from tests.pool_factory import pool_fixture
 from tests.system_tools import require_tool
 from tests.test_slot_paths import LONG, RawStream, hold_slot, wait_paused
 
@@ -23,13 +24,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 SECRET_PROMPT = "purple-elephant-prompt-31337"
 
 
-@pytest.fixture(scope="module")
-def opool(tiny_model, tmp_path_factory):
-    p = Pool(tiny_model, tmp_path_factory.mktemp("obs"), workers=2, api_keys=(KEY,),
-             global_args=("--log-format", "json"),
-             frontend_env={"LLAMAPOOL_MAX_BODY_BYTES": "4096"})
-    yield p
-    p.stop()
+opool = pool_fixture(workers=2, api_keys=(KEY,), global_args=("--log-format", "json"),
+                     frontend_env={"LLAMAPOOL_MAX_BODY_BYTES": "4096"})
 
 
 def scrape(pool) -> dict:
@@ -241,10 +237,10 @@ def test_logs_are_json_lines_without_secrets_or_prompts(opool):
 
 
 @pytest.fixture
-def empty_pool(tiny_model, tmp_path):
-    p = Pool(tiny_model, tmp_path, workers=0, wait_ready=False)
-    yield p
-    p.stop()
+def empty_pool(pool_factory):
+    # Private: the tests add a worker, or stop the broker.
+    with pool_factory(workers=0, wait_ready=False, private=True) as p:
+        yield p
 
 
 def get_health(pool) -> httpx.Response | None:

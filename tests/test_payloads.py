@@ -31,7 +31,8 @@ from protocol.payloads import (
     Usage,
 )
 from tests.pool import BrokerProbe, Proc, cli, wait_until
-from workers.model.worker import ActiveJob, WorkerSettings
+from workers.model.active_job import ActiveJob
+from workers.model.settings import WorkerSettings
 
 #: usage and timings of a FINAL that says nothing was used.
 NOTHING_USED = (Usage(0, 0, 0), Timings(0, 0.0, 0, 0.0))

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.pool import Pool, wait_until
+from tests.pool_factory import pool_fixture
 
 pytestmark = pytest.mark.stack
 
@@ -64,21 +65,12 @@ def rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-@pytest.fixture(scope="module")
-def one_worker(tiny_model, tmp_path_factory):
-    """One worker with the default --cache-ram: more conversations than slots."""
-    p = Pool(tiny_model, tmp_path_factory.mktemp("pc-one"), workers=1)
-    yield p
-    p.stop()
+#: One worker with the default --cache-ram: more conversations than slots.
+one_worker = pool_fixture(workers=1)
 
 
-@pytest.fixture(scope="module")
-def no_cache(tiny_model, tmp_path_factory):
-    """One worker with --cache-ram 0: every prompt it has not just run is cold."""
-    p = Pool(tiny_model, tmp_path_factory.mktemp("pc-off"), workers=1,
-             worker_args=("--cache-ram", "0"))
-    yield p
-    p.stop()
+#: One worker with --cache-ram 0: every prompt it has not just run is cold.
+no_cache = pool_fixture(workers=1, worker_args=("--cache-ram", "0"))
 
 
 def test_interleaved_conversations_each_find_their_prefix(one_worker):
@@ -149,13 +141,8 @@ def test_no_cache_worker_says_so(no_cache):
 # --- memory stays inside the limit ---
 
 
-@pytest.fixture(scope="module")
-def tiny_limit(tiny_model, tmp_path_factory):
-    """--cache-ram 1 MiB: a few of the tiny model's states (~0.2 MiB each)."""
-    p = Pool(tiny_model, tmp_path_factory.mktemp("pc-1mib"), workers=1,
-             worker_args=("--cache-ram", "1"))
-    yield p
-    p.stop()
+#: --cache-ram 1 MiB: a few of the tiny model's states (~0.2 MiB each).
+tiny_limit = pool_fixture(workers=1, worker_args=("--cache-ram", "1"))
 
 
 def test_many_prompts_stay_inside_a_tiny_limit(tiny_limit):
@@ -184,23 +171,10 @@ def test_many_prompts_stay_inside_a_tiny_limit(tiny_limit):
 # --- routing by what each worker holds ---
 
 
-def _pair(tiny_model, tmp_path_factory, routing: str):
-    return Pool(tiny_model, tmp_path_factory.mktemp(f"pc-{routing}"), workers=2,
-                broker_args=("--routing", routing))
+prefix_pair = pool_fixture(workers=2, broker_args=("--routing", "prefix"))
 
 
-@pytest.fixture(scope="module")
-def prefix_pair(tiny_model, tmp_path_factory):
-    p = _pair(tiny_model, tmp_path_factory, "prefix")
-    yield p
-    p.stop()
-
-
-@pytest.fixture(scope="module")
-def lru_pair(tiny_model, tmp_path_factory):
-    p = _pair(tiny_model, tmp_path_factory, "lru")
-    yield p
-    p.stop()
+lru_pair = pool_fixture(workers=2, broker_args=("--routing", "lru"))
 
 
 def _three_conversations(pool: Pool) -> list[tuple[str, httpx.Response]]:

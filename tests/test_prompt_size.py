@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.pool import Pool, wait_until
+from tests.pool_factory import pool_fixture
 from workers.model import tokenizing
 from workers.model.prompting import PromptBuilder
 from workers.model.tokenizing import BoundedTokenizer, PromptTooLong, TokenizeCancelled
@@ -37,21 +38,12 @@ ATTACKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def gated_pool(tiny_model, tmp_path_factory):
-    """The frontend tokenises (``--model``), as ``llamapool up`` runs it."""
-    p = Pool(tiny_model, tmp_path_factory.mktemp("gated"), workers=1)
-    yield p
-    p.stop()
+#: The frontend tokenises (``--model``), as ``llamapool up`` runs it.
+gated_pool = pool_fixture(workers=1)
 
 
-@pytest.fixture(scope="module")
-def ungated_pool(tiny_model, tmp_path_factory):
-    """No ``--model`` for the frontend: the worker tokenises every prompt."""
-    p = Pool(tiny_model, tmp_path_factory.mktemp("ungated"), workers=1,
-             frontend_tokenizes=False)
-    yield p
-    p.stop()
+#: No ``--model`` for the frontend: the worker tokenises every prompt.
+ungated_pool = pool_fixture(workers=1, frontend_tokenizes=False)
 
 
 def post_in_time(pool: Pool, body: dict) -> httpx.Response:

@@ -6,17 +6,23 @@ CPU it crashed on the first request)."""
 
 from __future__ import annotations
 
+import signal
+
 import httpx
 import pytest
 
 from tests.bench.bench_prompt_size import default_gemma
 from tests.pool import Pool, Proc, cli, free_port, wait_until
-from workers.model.weight_repack import repack_enabled
+from workers.model.weight_repack import cpu_has_amx, repack_enabled
 
 pytestmark = pytest.mark.stack
 
+#: The settings a worker serves with on this CPU: on AMX, ``on`` is the
+#: crash itself (``test_repack_on_crashes_in_the_warm_up_on_amx``).
+SERVING_SETTINGS = ["auto", "off"] if cpu_has_amx() else ["auto", "on", "off"]
 
-@pytest.mark.parametrize("setting", ["auto", "on", "off"])
+
+@pytest.mark.parametrize("setting", SERVING_SETTINGS)
 def test_each_repack_setting_answers_and_is_shown(tiny_model, tmp_path, setting):
     p = Pool(tiny_model, tmp_path, workers=1, worker_args=("--repack", setting))
     try:
@@ -31,6 +37,29 @@ def test_each_repack_setting_answers_and_is_shown(tiny_model, tmp_path, setting)
         p.assert_whole()
     finally:
         p.stop()
+
+
+def test_repack_on_crashes_in_the_warm_up_on_amx(tiny_model, tmp_path):
+    """What ``--repack auto`` avoids, seen where it happens: llama.cpp's
+    repacked Q4 kernel on AMX (llama.cpp #20824) kills the worker in its
+    warm-up, before READY, so no job ever meets it; faulthandler names the
+    warm-up in the log."""
+    if not cpu_has_amx():
+        pytest.skip("this CPU has no AMX: repacked weights work here "
+                    "(test_each_repack_setting_answers_and_is_shown[on])")
+    worker = Proc("worker", cli(
+        "worker", "--broker", f"ipc://{tmp_path}/no-broker", "--model",
+        str(tiny_model), "--threads", "1", "--repack", "on"), tmp_path)
+    try:
+        returncode = worker.popen.wait(timeout=120)
+    finally:
+        worker.stop()
+    log = worker.log_path.read_text(errors="replace")
+    assert returncode == -signal.SIGSEGV, log[-4000:]
+    assert "weight repacking on (--repack on)" in log
+    assert "Fatal Python error: Segmentation fault" in log
+    assert "in warm_up" in log and "in _load_and_warm_up" in log
+    assert "READY" not in log
 
 
 def test_the_default_model_answers_the_readme_requests(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.pool import Pool
+from tests.pool_factory import pool_fixture
 
 pytestmark = pytest.mark.stack
 
@@ -56,11 +56,7 @@ def _encode(body) -> bytes:
     return json.dumps(body, ensure_ascii=True, allow_nan=False).encode()
 
 
-@pytest.fixture(scope="module")
-def pool(tiny_model, tmp_path_factory):
-    p = Pool(tiny_model, tmp_path_factory.mktemp("fuzz"), workers=1)
-    yield p
-    p.stop()
+pool = pool_fixture(workers=1)
 
 
 @settings(max_examples=200, deadline=None,

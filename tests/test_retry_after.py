@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.pool import Pool, wait_until
+from tests.pool_factory import pool_fixture
 from tests.test_slot_paths import LONG, RawStream, wait_paused
 
 pytestmark = pytest.mark.stack
@@ -25,16 +26,12 @@ STALL_TIMEOUT_S = 30.0
 TOKENS_PER_S = 200
 
 
-@pytest.fixture(scope="module")
-def one_slot(tiny_model, tmp_path_factory):
-    """One synthetic worker (a steady 200 tokens/s) that gives up on a client
-    that has not read for 30 s."""
-    p = Pool(tiny_model, tmp_path_factory.mktemp("retry-after"), workers=1,
-             worker_args=("--engine", "synthetic", "--tokens-per-second",
-                          str(TOKENS_PER_S),
-                          "--stall-timeout-s", str(STALL_TIMEOUT_S)))
-    yield p
-    p.stop()
+#: One synthetic worker (a steady 200 tokens/s) that gives up on a client
+#: that has not read for 30 s.
+one_slot = pool_fixture(workers=1,
+                        worker_args=("--engine", "synthetic", "--tokens-per-second",
+                                     str(TOKENS_PER_S),
+                                     "--stall-timeout-s", str(STALL_TIMEOUT_S)))
 
 
 def refused_retry_after(pool: Pool) -> int:

@@ -3,6 +3,7 @@ immediate; nobody prints a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 
@@ -10,7 +11,7 @@ import httpx
 import pytest
 
 from llamapool.signals import EXIT_FORCED
-from tests.pool import Pool, wait_until
+from tests.pool import wait_until
 from tests.test_slot_paths import hold_slot
 
 pytestmark = pytest.mark.stack
@@ -21,19 +22,10 @@ def events(data: bytes) -> list[str]:
 
 
 @pytest.fixture
-def make_pool(tiny_model, tmp_path):
-    pools = []
-
-    def make(**kw):
-        pool = Pool(tiny_model, tmp_path / f"p{len(pools)}", **kw)
-        pools.append(pool)
-        return pool
-
-    for d in range(3):
-        (tmp_path / f"p{d}").mkdir()
-    yield make
-    for pool in pools:
-        pool.stop()
+def make_pool(pool_factory):
+    """Private pools: every test here stops (part of) its pool."""
+    with contextlib.ExitStack() as pools:
+        yield lambda **kw: pools.enter_context(pool_factory(private=True, **kw))
 
 
 def test_idle_worker_leaves_the_ledger_on_sigterm(make_pool):

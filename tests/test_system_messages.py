@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.pool import Pool
+from tests.pool_factory import pool_fixture
 from workers.model.prompting import fold_system_messages
 
 SYSTEM = "You are a terse pirate who answers in riddles."
@@ -30,15 +30,11 @@ def test_fold_joins_system_turns_at_the_head_of_the_first_user_turn():
     assert fold_system_messages(plain) == plain
 
 
-@pytest.fixture(scope="module")
-def gemma_format_pool(tiny_model, tmp_path_factory):
-    pool = Pool(tiny_model, tmp_path_factory.mktemp("gemma-format"), workers=1,
-                worker_args=("--chat-format", "gemma"),
-                frontend_env={"LLAMAPOOL_CHAT_FORMAT": "gemma"})
-    yield pool
-    pool.stop()
+gemma_format_pool = pool_fixture(workers=1, worker_args=("--chat-format", "gemma"),
+                                 frontend_env={"LLAMAPOOL_CHAT_FORMAT": "gemma"})
 
 
+@pytest.mark.stack
 def test_a_system_message_reaches_the_prompt(gemma_format_pool):
     url = gemma_format_pool.url
     user = [{"role": "user", "content": "Where is the treasure?"}]

@@ -21,6 +21,9 @@ import zmq
 from protocol import messages
 from protocol.payloads import GenerationRequest, Sampling
 from tests.pool import Pool, wait_until
+from tests.pool_factory import pool_fixture
+
+pytestmark = pytest.mark.stack
 
 WINDOW = 4  # frames a job may send before it waits for CREDIT
 N_TOKENS = 40
@@ -30,21 +33,13 @@ GREEDY = GenerationRequest(
 )
 
 
-@pytest.fixture(scope="module")
-def auto_pool(tiny_model, tmp_path_factory):
-    # The workers inherit the variable (there is no flag for it).
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LLAMAPOOL_CREDIT_WINDOW_FRAMES", str(WINDOW))
-    try:
-        # A wait far beyond any load: a missing step-down confirmation shows
-        # as an expired wait, not as a slow test.
-        pool = Pool(tiny_model, tmp_path_factory.mktemp("auto-pool"), workers=2,
-                    worker_args=("--threads", "auto", "--pool-cores", "2"),
-                    broker_args=("--step-down-wait-s", "10"))
-    finally:
-        mp.undo()
-    yield pool
-    pool.stop()
+# A wait far beyond any load: a missing step-down confirmation shows as
+# an expired wait, not as a slow test. The credit window is a worker
+# variable (there is no flag for it).
+auto_pool = pool_fixture(workers=2,
+                         worker_args=("--threads", "auto", "--pool-cores", "2"),
+                         worker_env={"LLAMAPOOL_CREDIT_WINDOW_FRAMES": str(WINDOW)},
+                         broker_args=("--step-down-wait-s", "10"))
 
 
 class RawFrontend:

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from tests.pool import Pool, sse_events
+from tests.pool_factory import pool_fixture
 
 pytestmark = pytest.mark.stack
 
@@ -41,27 +42,17 @@ def tools_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tools_pool(tools_model, tmp_path_factory):
-    p = Pool(tools_model, tmp_path_factory.mktemp("tools"), workers=1)
-    yield p
-    p.stop()
+def tools_pool(tools_model, pool_factory):
+    with pool_factory(model=tools_model, workers=1) as p:
+        yield p
 
 
-@pytest.fixture(scope="module")
-def plain_pool(tiny_model, tmp_path_factory):
-    """The tiny model's template has no tools; the frontend renders prompts."""
-    p = Pool(tiny_model, tmp_path_factory.mktemp("plain"), workers=1)
-    yield p
-    p.stop()
+#: The tiny model's template has no tools; the frontend renders prompts.
+plain_pool = pool_fixture(workers=1)
 
 
-@pytest.fixture(scope="module")
-def plain_ungated_pool(tiny_model, tmp_path_factory):
-    """Same, but the worker renders the prompt (the frontend has no model)."""
-    p = Pool(tiny_model, tmp_path_factory.mktemp("plain-ungated"), workers=1,
-             frontend_tokenizes=False)
-    yield p
-    p.stop()
+#: Same, but the worker renders the prompt (the frontend has no model).
+plain_ungated_pool = pool_fixture(workers=1, frontend_tokenizes=False)
 
 
 def chat(pool: Pool, body: dict) -> httpx.Response:

@@ -24,6 +24,7 @@ import pytest
 
 from frontend.web_page import PAGE_FILES, WEB_DIR
 from tests.pool import TEST_HEARTBEAT, Pool, Proc, cli, wait_until
+from tests.pool_factory import pool_fixture
 from tests.system_tools import require_tool
 
 pytestmark = pytest.mark.stack
@@ -42,12 +43,8 @@ BROWSER_WAIT_S = 60.0
 STALL_TIMEOUT_S = 8
 
 
-@pytest.fixture(scope="module")
-def web_pool(tiny_model, tmp_path_factory):
-    p = Pool(tiny_model, tmp_path_factory.mktemp("web"), workers=2, api_keys=(KEY,),
-             worker_args=("--stall-timeout-s", str(STALL_TIMEOUT_S)))
-    yield p
-    p.stop()
+web_pool = pool_fixture(workers=2, api_keys=(KEY,),
+                        worker_args=("--stall-timeout-s", str(STALL_TIMEOUT_S)))
 
 
 @pytest.fixture(scope="module")

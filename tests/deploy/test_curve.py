@@ -111,6 +111,7 @@ def test_local_endpoints(endpoint, local):
     assert curve.is_local_endpoint(endpoint) is local
 
 
+@pytest.mark.stack  # its ``keys`` are written by the real ``llamapool keygen``
 def test_watching_a_new_connection_never_collides_with_an_old_monitor(keys):
     """A redial's new DEALER may reuse the file descriptor of the one it
     replaces while that one's handshake monitor is still bound: pyzmq's

@@ -13,8 +13,6 @@ import statistics
 
 import pytest
 
-from tests.pool import Pool
-
 
 @dataclasses.dataclass
 class ScenarioFigures:
@@ -56,15 +54,16 @@ def pytest_terminal_summary(terminalreporter):
 
 
 @pytest.fixture(scope="module")
-def fault_pool(tiny_model, tmp_path_factory):
-    """Broker + 2 workers + gunicorn; scenarios may kill and replace parts."""
-    p = Pool(tiny_model, tmp_path_factory.mktemp("faults"), workers=2,
-             # Long enough that a stream the tests pause on purpose (up to a
-             # few seconds on a loaded machine before its fault is injected)
-             # is still running when the fault comes; short enough for the
-             # slow-reader scenario to see it end.
-             worker_args=("--stall-timeout-s", "10"))
-    yield p
-    p.stop()
+def fault_pool(pool_factory):
+    """Broker + 2 workers + gunicorn; scenarios may kill and replace parts
+    (so it is private: nobody else is handed a pool the faults went through)."""
+    with pool_factory(
+            workers=2, private=True,
+            # Long enough that a stream the tests pause on purpose (up to a
+            # few seconds on a loaded machine before its fault is injected)
+            # is still running when the fault comes; short enough for the
+            # slow-reader scenario to see it end.
+            worker_args=("--stall-timeout-s", "10")) as p:
+        yield p
     assert all(not proc.alive() for proc in [p.broker, p.frontend, *p.workers]), \
         "a process was left behind"

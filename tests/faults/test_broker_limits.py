@@ -53,10 +53,10 @@ def stream_completes(pool: Pool) -> bool:
 
 
 @pytest.fixture
-def limits_pool(tiny_model, tmp_path):
-    p = Pool(tiny_model, tmp_path, workers=2)
-    yield p
-    p.stop()
+def limits_pool(pool_factory):
+    # Private: each scenario floods the broker.
+    with pool_factory(workers=2, private=True) as p:
+        yield p
 
 
 # --- item 2: one big message must not freeze the broker ---------------------------

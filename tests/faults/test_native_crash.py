@@ -56,7 +56,10 @@ def test_a_crash_at_every_warm_up_is_named_backed_off_and_held(tiny_model,
                 r = httpx.get(url + "/health", timeout=2)
             except httpx.TransportError:
                 return None
-            return r if r.status_code == 503 and "held" in r.text else None
+            # Not just "held": the crash before the hold says "(restart 4 of 4
+            # before it is held)" until the held stand-in reports.
+            return (r if r.status_code == 503 and "held after 5 crashes" in r.text
+                    else None)
 
         r = wait_until(health_503, 30, "/health to say the worker is held")
         error = r.json()["error"]
@@ -75,14 +78,13 @@ def test_a_crash_at_every_warm_up_is_named_backed_off_and_held(tiny_model,
 
 
 @pytest.fixture
-def once_pool(tiny_model, tmp_path):
+def once_pool(pool_factory, tmp_path):
     """Two workers; whichever gets the first job crashes on it, once."""
     flag = tmp_path / "crash-once"
     flag.write_text("")
-    p = Pool(tiny_model, tmp_path, workers=2,
-             worker_env={"LLAMAPOOL_TEST_CRASH": f"once:{flag}"})
-    yield p
-    p.stop()
+    with pool_factory(workers=2, private=True,
+                      worker_env={"LLAMAPOOL_TEST_CRASH": f"once:{flag}"}) as p:
+        yield p
 
 
 def dead_workers(pool: Pool) -> list[Proc]:

@@ -1,0 +1,197 @@
+"""One request pipeline for every endpoint whose answer is a job on a slot.
+
+``POST /v1/completions``, ``/v1/chat/completions``, the native
+``/completion`` and ``/infill``, and the embeddings routes all answer the
+same way, and once each wrote it out by hand. ``JobEndpoint.on_post`` is now
+the one copy, in the order in which its errors win:
+
+1. the body, bounded (``read_json_body``: 413, or 400 for bad JSON);
+2. ``parse``: the endpoint's own parser (400 naming the field);
+3. ``admit``: the prompt gate, which counts the prompt's tokens at the door
+   (400 for one that cannot fit) and says what is submitted (a
+   ``Submission``);
+4. the request's log record learns whether it streams;
+5. submit (``frontend.generation.start_job``: 503 + Retry-After when every
+   slot is busy, 502/504 for the pool's failures, before anything is sent),
+   then the answer's headers and the record's slot, written here;
+6. ``respond``: collect the job or stream it.
+
+A text endpoint subclasses ``GenerationEndpoint`` and writes ``parse`` and
+``shaper`` (an ``frontend.interfaces.Shaper``), and ``admit`` when its
+prompt needs more than the gate; step 6 is then done for it, whole
+(``collect``) or as SSE (``frontend.sse``). An endpoint with another answer
+(embeddings) subclasses ``JobEndpoint`` and writes ``respond``.
+
+The job layer (``frontend.job``, ``frontend.generation``) writes no header
+and no log field: it returns the job, and this module writes them.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+from typing import Any, Generic, Protocol, TypeVar
+
+import falcon
+
+from frontend.generation import collect, start_job
+from frontend.interfaces import BrokerClient, Shaper
+from frontend.job import Job
+from frontend.lease import LeaseEnding
+from frontend.prompt_gate import PromptGate
+from frontend.request_body import read_json_body
+from frontend.request_log import RequestRecord
+from frontend.settings import FrontendSettings
+from frontend.sse import stream_answer
+from protocol.payloads import GenerationRequest
+
+
+class TextRequest(Protocol):
+    """What ``GenerationEndpoint.admit`` reads of a parsed text request."""
+
+    @property
+    def generation(self) -> GenerationRequest:
+        ...
+
+    @property
+    def stream(self) -> bool:
+        ...
+
+
+#: The endpoint's parsed request, whatever its parser returns.
+Parsed = TypeVar("Parsed")
+#: ... and a text endpoint's, which has a generation and says if it streams.
+ParsedText = TypeVar("ParsedText", bound=TextRequest)
+
+#: The model name answered when no one named one.
+DEFAULT_MODEL_NAME = "llamapool"
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission(Generic[Parsed]):
+    """What ``admit`` hands on: the parsed request, and the job it becomes.
+
+    Args:
+        parsed: the parser's result, for ``respond`` and ``shaper``.
+        generation: what goes to a worker, prompt tokens counted if the
+            gate could.
+        stream: answer with SSE events.
+        id_slot: llama.cpp's ``id_slot``: that one slot, or -1 for any.
+        n_prompt: the prompt's token count if the door counted it (0: the
+            worker counts), for an answer that shows it before FINAL.
+        prompt_text: the prompt, for an answer that echoes it (llama.cpp's).
+    """
+
+    parsed: Parsed
+    generation: GenerationRequest
+    stream: bool = False
+    id_slot: int = -1
+    n_prompt: int = 0
+    prompt_text: str = ""
+
+
+class JobEndpoint(abc.ABC, Generic[Parsed]):
+    """``on_post`` for an endpoint that runs one job: see the module's steps.
+
+    Args:
+        link: the broker (one link, or a pool of them).
+        settings: the frontend's.
+        gate: the prompt gate, or None when the frontend has no vocabulary
+            (the worker then counts, and refuses an over-long prompt).
+    """
+
+    def __init__(self, link: BrokerClient, settings: FrontendSettings,
+                 gate: PromptGate | None = None) -> None:
+        self.link = link
+        self.settings = settings
+        self.gate = gate
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        body = read_json_body(req, self.settings.max_body_bytes)
+        submission = self.admit(self.parse(body), body)
+        record: RequestRecord = req.context.record
+        record.stream = submission.stream
+        job = self.submit(submission, record, resp)
+        try:
+            self.respond(req, resp, submission, job)
+        except BaseException:
+            # Before a body or ``collect`` took the job (a no-op after).
+            job.end(LeaseEnding.LOCAL_ERROR)
+            raise
+
+    # --- what an endpoint writes ------------------------------------------------
+
+    @abc.abstractmethod
+    def parse(self, body: Any) -> Parsed:
+        """The body (any JSON value), checked: raise ``BadRequest`` naming a
+        bad field."""
+
+    @abc.abstractmethod
+    def admit(self, parsed: Parsed, body: Any) -> Submission[Parsed]:
+        """The prompt gate (``gated``), and what is submitted."""
+
+    @abc.abstractmethod
+    def respond(self, req: falcon.Request, resp: falcon.Response,
+                submission: Submission[Parsed], job: Job) -> None:
+        """Answer from the started job, which this method owns: hand it to a
+        response body, or read it to its end."""
+
+    # --- the pipeline's own steps -----------------------------------------------
+
+    def gated(self, generation: GenerationRequest) -> GenerationRequest:
+        """``generation`` with its prompt tokens (``PromptGate.check``), or as
+        it is without a gate."""
+        return generation if self.gate is None else self.gate.check(generation)
+
+    def submit(self, submission: Submission[Parsed], record: RequestRecord,
+               resp: falcon.Response) -> Job:
+        """Start the job with the frontend's timeouts; the record follows it
+        (its outcome, and its lease's end), and the answer's headers name the
+        slot and the process that holds the lease (for operators and fault
+        tests)."""
+        s = self.settings
+        job = start_job(
+            self.link, submission.generation,
+            submit_timeout_s=s.submit_timeout_s,
+            frame_timeout_s=s.frame_timeout_s,
+            credit_batch_frames=s.credit_batch_frames,
+            new_outcome=record.expect_job,
+            on_release=record.lease_released,
+            id_slot=submission.id_slot,
+        )
+        record.slot_id = job.slot_id
+        resp.set_header("X-Slot-Id", str(job.slot_id))
+        resp.set_header("X-Frontend-Pid", str(os.getpid()))
+        return job
+
+    def model_name(self, job: Job, asked: str | None = None) -> str:
+        """The model an answer names: the worker's, else the frontend's
+        ``model_name`` (``LLAMAPOOL_MODEL_NAME``), else the client's."""
+        return job.model or self.settings.model_name or asked or DEFAULT_MODEL_NAME
+
+
+class GenerationEndpoint(JobEndpoint[ParsedText]):
+    """A text generation, answered whole or streamed: a subclass writes
+    ``parse`` and ``shaper`` (and ``admit`` if need be)."""
+
+    def admit(self, parsed: ParsedText, body: Any) -> Submission[ParsedText]:
+        """``parsed.generation`` through the prompt gate, streamed if
+        ``parsed.stream``."""
+        return Submission(parsed, self.gated(parsed.generation),
+                          stream=parsed.stream)
+
+    @abc.abstractmethod
+    def shaper(self, req: falcon.Request, submission: Submission[ParsedText],
+               job: Job) -> Shaper:
+        """The answer's shaper, once the job has a slot and a model."""
+
+    def respond(self, req: falcon.Request, resp: falcon.Response,
+                submission: Submission[ParsedText], job: Job) -> None:
+        shaper = self.shaper(req, submission, job)
+        if submission.stream:
+            # From here on the body owns the job, and with it the lease.
+            stream_answer(req, resp, job, shaper, self.settings.stream_sndbuf_bytes)
+            return
+        text, final, entries = collect(job)
+        resp.media = shaper.whole_answer(text, final, entries)
