@@ -25,7 +25,7 @@ import zmq
 from frontend.app import LlamapoolApp, create_app
 from frontend.broker_link import BrokerLink
 from frontend.settings import FrontendSettings
-from tests.pool import STOP_TIMEOUT_S, BrokerProbe, wait_until
+from tests.pool import STOP_TIMEOUT_S, BrokerProbe, wait_all_free
 from workers.broker.broker import Broker
 from workers.broker.settings import BrokerSettings
 from workers.model.settings import WorkerSettings
@@ -129,7 +129,10 @@ class InprocPool:
         return create_app(frontend, link=link)
 
     def client(self, **settings) -> falcon.testing.TestClient:
-        return falcon.testing.TestClient(self.app(**settings))
+        # Addressed as a local client addresses the pool: Falcon's default
+        # Host (falconframework.org) is a name the pool does not serve.
+        return falcon.testing.TestClient(self.app(**settings),
+                                         headers={"Host": "localhost"})
 
     # --- ledger checks, as ``tests.pool.Pool`` has them ----------------------------
 
@@ -143,12 +146,7 @@ class InprocPool:
         return self.status()["counters"].get("submitted", 0)
 
     def wait_free(self, n: int, timeout_s: float = 15.0) -> dict:
-        def whole():
-            snap = self.probe.status(timeout_s=1.0)
-            if snap and snap["slots_total"] == n and snap["slots_free"] == n:
-                return snap
-            return None
-        return wait_until(whole, timeout_s, f"{n} free slots in the broker ledger")
+        return wait_all_free(self.probe, n, timeout_s)
 
     def assert_whole(self, timeout_s: float = 15.0) -> dict:
         """Free slots equal live workers."""

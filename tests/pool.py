@@ -159,6 +159,17 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "llamapool", "--log-level", "info", *args]
 
 
+def wait_all_free(probe, n: int, timeout_s: float) -> dict:
+    """Wait until ``probe``'s broker ledger shows exactly ``n`` slots, all
+    free; its snapshot."""
+    def whole():
+        snap = probe.status(timeout_s=1.0)
+        if snap and snap["slots_total"] == n and snap["slots_free"] == n:
+            return snap
+        return None
+    return wait_until(whole, timeout_s, f"{n} free slots in the broker ledger")
+
+
 class BrokerProbe:
     """Asks the broker for its ledger over the real frontend socket, as a
     frontend does: registered with HELLO (the broker answers STATUS only to
@@ -310,12 +321,7 @@ class Pool:
 
     def wait_free(self, n: int, timeout_s: float = 15.0) -> dict:
         """Wait until the ledger shows exactly ``n`` slots, all free."""
-        def whole():
-            snap = self.probe.status(timeout_s=1.0)
-            if snap and snap["slots_total"] == n and snap["slots_free"] == n:
-                return snap
-            return None
-        return wait_until(whole, timeout_s, f"{n} free slots in the broker ledger")
+        return wait_all_free(self.probe, n, timeout_s)
 
     def assert_whole(self, timeout_s: float = 15.0) -> dict:
         """Free slots return to the number of live workers."""

@@ -320,12 +320,14 @@ SAMPLING = {"temp": _DEFAULTS.temperature, "top_k": _DEFAULTS.top_k,
 
 def load_llama(model: str, n_threads: int, n_ctx: int = 2048, *,
                flash_attn: bool = False):
-    """The model as the worker loads it (``LogitBiasLlama``, for ``ban_eog``)."""
-    from workers.model.native_bias import LogitBiasLlama
+    """The model as the worker loads it (``EngineLlama``: a ``LogitBiasLlama``,
+    for ``ban_eog``, with this CPU's ``--repack auto``; llama.cpp's default
+    repacking crashes on AMX)."""
+    from workers.model.llama_internals import EngineLlama
 
-    return LogitBiasLlama(model_path=model, n_ctx=n_ctx, n_threads=n_threads,
-                          n_threads_batch=n_threads, flash_attn=flash_attn,
-                          verbose=False)
+    return EngineLlama(model_path=model, n_ctx=n_ctx, n_threads=n_threads,
+                       n_threads_batch=n_threads, flash_attn=flash_attn,
+                       verbose=False)
 
 
 def ban_eog(llama, *, in_python: bool = False):
