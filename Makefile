@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP_SERVE := $(VENV)/.installed-serve
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: serve test test-unit faults venv clean
+.PHONY: serve test test-unit faults soak venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ test-unit: $(STAMP_TEST)
 # The fault-injection suite alone (also part of `make test`); prints a table.
 faults: $(STAMP_TEST)
 	$(PY) -m pytest tests/faults
+
+# Longer runs than `make test` holds: tests whose module or name says "soak",
+# skipped unless LLAMAPOOL_SOAK=1 (so `make test` collects and skips them).
+soak: $(STAMP_TEST)
+	LLAMAPOOL_SOAK=1 $(PY) -m pytest --durations=10 -k soak tests
 
 # Benchmarks: scripts in tests/bench/ (pytest never collects them), each
 # printing a markdown table. `make bench-broker BENCH_ARGS=--quick` for a

@@ -17,7 +17,11 @@ from frontend import metrics, openai_schema
 from frontend.auth import ApiKeyMiddleware
 from frontend.broker_link import BrokerLink
 from frontend.broker_pool import BrokerPool
-from frontend.cors import cors_middleware
+from frontend.cors import (
+    HostCheckMiddleware,
+    OriginCheckMiddleware,
+    cors_middleware,
+)
 from frontend.embeddings import EmbeddingsResource
 from frontend.endpoint import GenerationEndpoint, Submission
 from frontend.errors import (
@@ -274,13 +278,19 @@ def create_app(
 ) -> LlamapoolApp:
     """Build the WSGI app. ``link`` may be injected by tests."""
     link = link or broker_links(settings)
+    cors = cors_middleware(settings.web_origins())
     app = LlamapoolApp(
         middleware=[
             # First, so that its process_response tags every answer, a 401
-            # from the key check included (``frontend.cors``).
-            cors_middleware(settings.cors_origins),
+            # from the key check included (``frontend.cors``); none when no
+            # origin is allowed (a keyless pool, by default).
+            *([cors] if cors is not None else []),
             RequestIdMiddleware(),
             RequestLogMiddleware(),
+            # Which pages may use the pool (``frontend.cors``): refused
+            # before the key check and anything else, and logged.
+            HostCheckMiddleware(settings.allowed_hosts),
+            OriginCheckMiddleware(settings.web_origins()),
             ApiKeyMiddleware(settings.api_keys),
         ],
         cors_enable=False,  # the middleware above, configured, instead

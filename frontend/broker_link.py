@@ -26,7 +26,8 @@ import zmq
 
 from frontend import metrics
 from frontend.errors import PayloadTooLarge
-from protocol import messages
+from frontend.interfaces import JobOrigin
+from protocol import limits, messages
 from protocol.curve import ClientKeys
 from protocol.errors import ErrorCode
 from protocol.link import BrokerConnection, LinkHandler
@@ -134,7 +135,7 @@ class BrokerLink(LinkHandler):
 
     def submit(self, job_id: str, request: GenerationRequest,
                prefix_blocks: list[int] | None = None,
-               id_slot: int = -1) -> JobStream:
+               id_slot: int = -1, origin: JobOrigin | None = None) -> JobStream:
         """Open the job's stream, then send SUBMIT (so no frame can be missed).
 
         Raises:
@@ -142,7 +143,10 @@ class BrokerLink(LinkHandler):
                 (``protocol.limits.MAX_SUBMIT_BYTES``).
         """
         self.start()
-        msg = messages.Submit(job_id, request, prefix_blocks or [], id_slot)
+        origin = origin or JobOrigin()
+        msg = messages.Submit(job_id, request, prefix_blocks or [], id_slot,
+                              origin.request_id[:limits.MAX_ID_CHARS],
+                              origin.key[:limits.MAX_KEY_LABEL_CHARS])
         frames = msg.to_wire()
         size = len(frames[2])
         if size > messages.Submit.LIMITS.max_bytes:

@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict
 
 from frontend.broker_link import BrokerLink, JobStream
+from frontend.interfaces import JobOrigin
 from frontend.pool_view import SLOT_ID_STRIDE, merge_statuses, pool_slot_id
 from protocol import messages
 from protocol.errors import ErrorCode
@@ -95,7 +96,8 @@ class PoolJobStream:
     """
 
     def __init__(self, pool: BrokerPool, job_id: str, request: GenerationRequest,
-                 blocks: list[int], order: list[int], id_slot: int = -1) -> None:
+                 blocks: list[int], order: list[int], id_slot: int = -1,
+                 origin: JobOrigin | None = None) -> None:
         self.job_id = job_id
         self._pool = pool
         self._request = request
@@ -103,11 +105,12 @@ class PoolJobStream:
         self._order = order
         #: A slot of that broker's ledger (``order`` is then that broker alone).
         self._id_slot = id_slot
+        self._origin = origin
         self._tried = 0
         self._retry_after_s: float | None = None
         self.broker_index = order[0]
         self._stream: JobStream = pool.submit_to(order[0], job_id, request, blocks,
-                                                 id_slot)
+                                                 id_slot, origin)
 
     @property
     def accepted(self) -> bool:
@@ -148,7 +151,7 @@ class PoolJobStream:
         self.broker_index = self._order[self._tried]
         self._stream = self._pool.submit_to(self.broker_index, self.job_id,
                                             self._request, self._blocks,
-                                            self._id_slot)
+                                            self._id_slot, self._origin)
         return True
 
 
@@ -194,7 +197,7 @@ class BrokerPool:
 
     def submit(self, job_id: str, request: GenerationRequest,
                prefix_blocks: list[int] | None = None,
-               id_slot: int = -1) -> PoolJobStream:
+               id_slot: int = -1, origin: JobOrigin | None = None) -> PoolJobStream:
         """Submit to the first broker in ``order_for``; see ``PoolJobStream``.
 
         ``id_slot`` (llama.cpp's, a pool-wide id from ``/slots``): only the
@@ -213,8 +216,10 @@ class BrokerPool:
             index, local = divmod(id_slot, SLOT_ID_STRIDE)
             if index >= len(self._links):
                 index, local = 0, id_slot
-            return PoolJobStream(self, job_id, request, blocks, [index], local)
-        return PoolJobStream(self, job_id, request, blocks, self.order_for(blocks))
+            return PoolJobStream(self, job_id, request, blocks, [index], local,
+                                 origin)
+        return PoolJobStream(self, job_id, request, blocks, self.order_for(blocks),
+                             origin=origin)
 
     def forget(self, job_id: str) -> None:
         index = self._job_broker.pop(job_id, None)
@@ -286,7 +291,8 @@ class BrokerPool:
     # --- one broker's part in a job (what ``PoolJobStream`` calls) -----------------
 
     def submit_to(self, index: int, job_id: str, request: GenerationRequest,
-                  blocks: list[int], id_slot: int = -1) -> JobStream:
+                  blocks: list[int], id_slot: int = -1,
+                  origin: JobOrigin | None = None) -> JobStream:
         """Submit the job to broker ``index`` alone; CANCEL and CREDIT for it
         go there from now on. A broker that had the job before (it refused,
         or was lost before it accepted) forgets it first."""
@@ -294,7 +300,7 @@ class BrokerPool:
         if previous is not None and previous != index:
             self._links[previous].forget(job_id)
         self._job_broker[job_id] = index
-        return self._links[index].submit(job_id, request, blocks, id_slot)
+        return self._links[index].submit(job_id, request, blocks, id_slot, origin)
 
     def accepted_by(self, index: int, blocks: list[int]) -> None:
         """Broker ``index`` took a job: it is not full, and the job's prompt

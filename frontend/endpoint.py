@@ -9,7 +9,8 @@ the one copy, in the order in which its errors win:
 2. ``parse``: the endpoint's own parser (400 naming the field);
 3. ``admit``: the prompt gate, which counts the prompt's tokens at the door
    (400 for one that cannot fit) and says what is submitted (a
-   ``Submission``);
+   ``Submission``), then ``scoped``: the job's cache tenant, from the key
+   and the ``cache_salt`` (``frontend.cache_scope``);
 4. the request's log record learns whether it streams;
 5. submit (``frontend.generation.start_job``: 503 + Retry-After when every
    slot is busy, 502/504 for the pool's failures, before anything is sent),
@@ -35,8 +36,10 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import falcon
 
+from frontend.auth import presented_key
+from frontend.cache_scope import CacheScope
 from frontend.generation import collect, start_job
-from frontend.interfaces import BrokerClient, Shaper
+from frontend.interfaces import BrokerClient, JobOrigin, Shaper
 from frontend.job import Job
 from frontend.lease import LeaseEnding
 from frontend.prompt_gate import PromptGate
@@ -106,12 +109,14 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
         self.link = link
         self.settings = settings
         self.gate = gate
+        self.cache_scope = CacheScope(settings.cache_scope, settings.api_keys)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json_body(req, self.settings.max_body_bytes)
-        submission = self.admit(self.parse(body), body)
+        submission = self.scoped(req, self.admit(self.parse(body), body))
         record: RequestRecord = req.context.record
         record.stream = submission.stream
+        record.key_suffix = req.context.get("key_suffix", "-")
         job = self.submit(submission, record, resp)
         try:
             self.respond(req, resp, submission, job)
@@ -144,6 +149,18 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
         it is without a gate."""
         return generation if self.gate is None else self.gate.check(generation)
 
+    def scoped(self, req: falcon.Request, submission: Submission[Parsed]
+               ) -> Submission[Parsed]:
+        """``submission`` in its tenant's cache scope: the parser left the
+        client's ``cache_salt`` in ``cache_tenant``, and the tenant id (a
+        keyed hash of it and of the key, never the key) replaces it, so no
+        other key's cached prompts serve this job (issue 29)."""
+        generation = submission.generation
+        tenant = self.cache_scope.tenant(presented_key(req.get_header),
+                                         generation.cache_tenant)
+        return dataclasses.replace(submission, generation=dataclasses.replace(
+            generation, cache_tenant=tenant))
+
     def submit(self, submission: Submission[Parsed], record: RequestRecord,
                resp: falcon.Response) -> Job:
         """Start the job with the frontend's timeouts; the record follows it
@@ -159,6 +176,8 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
             new_outcome=record.expect_job,
             on_release=record.lease_released,
             id_slot=submission.id_slot,
+            # For the broker's log lines about the job (issue 29, item 8).
+            origin=JobOrigin(record.request_id, record.key_suffix),
         )
         record.slot_id = job.slot_id
         resp.set_header("X-Slot-Id", str(job.slot_id))

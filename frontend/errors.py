@@ -63,6 +63,7 @@ HTTP_FORMS: dict[ErrorCode, HttpForm] = {
     ErrorCode.WORKER_CRASHED: HttpForm(502, SERVER_ERROR),
     ErrorCode.WORKER_RESTARTED: HttpForm(502, SERVER_ERROR),
     ErrorCode.WORKER_PROTOCOL_ERROR: HttpForm(502, SERVER_ERROR),
+    ErrorCode.UNREADABLE_JOB: HttpForm(502, SERVER_ERROR),
     ErrorCode.TIMEOUT: HttpForm(504, SERVER_ERROR),
     ErrorCode.WORKER_UNRESPONSIVE: HttpForm(504, SERVER_ERROR),
     ErrorCode.WORKER_SHUTDOWN: HttpForm(503, UNAVAILABLE),
@@ -132,6 +133,36 @@ class Unauthorized(ApiError):
 
     def __init__(self) -> None:
         super().__init__("Invalid API Key")
+
+
+class OriginNotAllowed(ApiError):
+    """A browser request from a page whose origin may not use the pool
+    (``frontend.cors.OriginCheckMiddleware``)."""
+
+    status = 403
+    reject_reason = "origin"
+    type = "permission_error"
+    code = "origin_not_allowed"
+
+    def __init__(self, origin: str) -> None:
+        super().__init__(
+            f"web pages from {origin[:200]!r} may not use this pool: allow the "
+            "origin with --cors-origins (LLAMAPOOL_CORS_ORIGINS)")
+
+
+class MisdirectedRequest(ApiError):
+    """A request addressed to a host name the pool does not serve
+    (``frontend.cors.HostCheckMiddleware``): HTTP 421."""
+
+    status = 421
+    reject_reason = "host"
+    type = "invalid_request_error"
+    code = "misdirected_request"
+
+    def __init__(self, host: str) -> None:
+        super().__init__(
+            f"this pool does not answer to the host name {host[:200]!r}: add "
+            "it to --allowed-hosts (LLAMAPOOL_ALLOWED_HOSTS)")
 
 
 class PoolError(ApiError):

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 
 from frontend.errors import NoSlotAvailable, Unavailable, UpstreamError
-from frontend.interfaces import BrokerClient
+from frontend.interfaces import BrokerClient, JobOrigin
 from frontend.job import Job, JobOutcome
 from frontend.lease import LeaseEnding, SlotLease
 from protocol import messages
@@ -39,6 +39,7 @@ def start_job(
     new_outcome: Callable[[], JobOutcome] = JobOutcome,
     on_release: Callable[[SlotLease], None] | None = None,
     id_slot: int = -1,
+    origin: JobOrigin | None = None,
 ) -> Job:
     """Submit ``generation`` and wait for its first frame.
 
@@ -61,7 +62,7 @@ def start_job(
                        frame_timeout_s=frame_timeout_s,
                        credit_batch_frames=credit_batch_frames,
                        outcome=new_outcome(), on_release=on_release,
-                       id_slot=id_slot)
+                       id_slot=id_slot, origin=origin)
 
     try:
         return attempt()
@@ -92,13 +93,15 @@ def _submit(
     outcome: JobOutcome,
     on_release: Callable[[SlotLease], None] | None,
     id_slot: int,
+    origin: JobOrigin | None = None,
 ) -> Job:
     """One try of ``start_job``: a lease, SUBMIT, the answer, the first frame."""
     lease = SlotLease(uuid.uuid4().hex, link.send, link.forget, on_release)
     try:
         tokens = generation.prompt_tokens
-        stream = link.submit(lease.job_id, generation,
-                             prefix_blocks(tokens) if tokens else None, id_slot)
+        # In the request's tenant's scope, as the workers report theirs.
+        blocks = prefix_blocks(tokens, generation.cache_tenant) if tokens else None
+        stream = link.submit(lease.job_id, generation, blocks, id_slot, origin)
         job = Job(lease, stream, send=link.send, frame_timeout_s=frame_timeout_s,
                   credit_batch_frames=credit_batch_frames, outcome=outcome)
         answer = job.answer(submit_timeout_s)

@@ -17,10 +17,21 @@ these, and a test's stand-in link qualifies by having the methods.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 from protocol import messages
 from protocol.payloads import GenerationRequest, PoolStatus, TokenLogprob
+
+
+@dataclasses.dataclass(frozen=True)
+class JobOrigin:
+    """Who asked for a job, as the broker's log lines name it (a worker that
+    died during it): the HTTP request's id and what may be shown of its key
+    (``frontend.auth.key_suffix``). Carried in SUBMIT; changes no output."""
+
+    request_id: str = ""
+    key: str = ""
 
 
 class FrameStream(Protocol):
@@ -55,8 +66,9 @@ class BrokerClient(Protocol):
 
     def submit(self, job_id: str, request: GenerationRequest,
                prefix_blocks: list[int] | None = None,
-               id_slot: int = -1) -> FrameStream:
-        """Open the job's stream and send SUBMIT.
+               id_slot: int = -1, origin: JobOrigin | None = None) -> FrameStream:
+        """Open the job's stream and send SUBMIT (``origin``: for the
+        broker's log).
 
         Raises:
             PayloadTooLarge: the SUBMIT would exceed the wire's ceiling.

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import os
+from collections.abc import Callable
 from typing import Any
 
 import falcon
 
 from frontend import model_code, openai_schema
 from frontend.endpoint import GenerationEndpoint, Submission
-from frontend.errors import ApiError, BadRequest
+from frontend.errors import ApiError, BadRequest, ContextSizeExceeded
 from frontend.interfaces import BrokerClient
 from frontend.job import Job
 from frontend.native_format import NativeShaper, sampler_params
@@ -69,22 +71,29 @@ def _builder(gate: PromptGate | None):
 
 
 def tokenize_parts(builder, parts: str | list[PromptPart], *, add_special: bool,
-                   parse_special: bool, limit: int, where: str) -> list[int]:
+                   parse_special: bool, limit: int, where: str,
+                   too_long: Callable[[Any, str], ApiError] = model_code.prompt_too_long
+                   ) -> list[int]:
     """llama.cpp's ``tokenize_mixed``: texts are tokenised in place, ids kept;
-    only a text at the very start gets the BOS."""
+    only a text at the very start gets the BOS. ``limit`` tokens or more:
+    the error ``too_long(PromptTooLong, where)`` gives."""
     if isinstance(parts, str):
         parts = [parts]
     tokens: list[int] = []
-    try:
-        for i, part in enumerate(parts):
-            if isinstance(part, str):
-                tokens += builder.tokenize_text(
-                    part, add_special=add_special and i == 0,
-                    parse_special=parse_special, limit=limit)
-            else:
-                tokens.append(part)
-    except model_code.PromptTooLong as exc:
-        raise model_code.prompt_too_long(exc, where) from None
+    for i, part in enumerate(parts):
+        if not isinstance(part, str):
+            tokens.append(part)
+            continue
+        # What is left of the limit: many texts together stop at it too.
+        before = len(tokens)
+        try:
+            tokens += builder.tokenize_text(
+                part, add_special=add_special and i == 0,
+                parse_special=parse_special, limit=limit - before)
+        except model_code.PromptTooLong as exc:
+            whole = model_code.PromptTooLong(
+                before + exc.at_least, limit, exc.exact and i == len(parts) - 1)
+            raise too_long(whole, where) from None
     bad = next((t for t in tokens if not builder.valid_token(t)), None)
     if bad is not None:
         raise BadRequest(f"'{where}': token {bad} is out of the vocabulary",
@@ -192,12 +201,15 @@ class TokenizeResource:
         body = read_json_body(req, self.settings.max_body_bytes)
         parsed = parse_tokenize(body)
         builder = _builder(self.gate)
-        # The body limit bounds the text; no text of B bytes has B + 8 tokens.
+        # Bounded as a prompt is (issue 29): at most a context of tokens, so
+        # a text is refused by its size before any tokenising, or as soon as
+        # its pieces fill the context. Bounded by the body alone (1 MiB of
+        # byte-fallback text), one call took a core for a minute.
         tokens = tokenize_parts(builder, parsed.content,
                                 add_special=parsed.add_special,
                                 parse_special=parsed.parse_special,
-                                limit=self.settings.max_body_bytes + 8,
-                                where="content")
+                                limit=self.settings.n_ctx + 1, where="content",
+                                too_long=self._too_long)
         if not parsed.with_pieces:
             resp.media = {"tokens": tokens}
             return
@@ -209,6 +221,13 @@ class TokenizeResource:
                 shown = list(piece)  # part of a character: its bytes, as llama.cpp
             out.append({"id": token, "piece": shown})
         resp.media = {"tokens": out}
+
+    def _too_long(self, exc, where: str) -> ContextSizeExceeded:
+        n_ctx = self.settings.n_ctx
+        count = exc.at_least if exc.exact else f"at least {exc.at_least}"
+        return ContextSizeExceeded(
+            f"'{where}' is {count} tokens; /tokenize counts at most {n_ctx}, "
+            "the context size (--ctx)", exc.at_least, n_ctx, param=where)
 
 
 class DetokenizeResource:
@@ -288,7 +307,10 @@ class PropsResource:
             # Pool-wide, from the broker's ledger (None: broker unreachable).
             "total_slots": status.slots_total if status is not None else None,
             "model_alias": slots[0].model if slots else s.model_name,
-            "model_path": s.tokenizer_model,
+            # The file's name only: its directory says nothing a client
+            # needs, and tells any reader (a web page, before issue 29)
+            # about the host's file system.
+            "model_path": os.path.basename(s.tokenizer_model),
             "modalities": {"vision": False, "audio": False, "video": False},
             "endpoint_slots": True,
             "endpoint_props": False,

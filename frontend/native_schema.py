@@ -5,7 +5,8 @@ The samplers, stop strings, grammar and ``n_predict`` are read by the same
 readers as the OpenAI endpoints (``frontend.request_fields``), so both take
 the same values with the same errors. What is native only is read here:
 ``prompt`` as text, token ids or a mix, ``id_slot``, ``cache_prompt``,
-``return_tokens``, ``n_probs``, and the infill and tokenizer fields. Any
+``return_tokens``, ``n_probs``, and the infill and tokenizer fields
+(``cache_salt`` is shared with the OpenAI endpoints). Any
 other field gets a 400 naming it, unless ``frontend.field_policy`` accepts
 it unread.
 """
@@ -96,6 +97,7 @@ def parse_completion(body: Any, infill: bool = False) -> NativeRequest:
         logprobs=logprobs,
         cache_prompt=bool(fields.flag("cache_prompt", True)),
         timings_per_token=request_fields.timings_per_token(fields, stream),
+        cache_tenant=request_fields.cache_salt(fields),
     )
     request_fields.check_stops_with_logprobs(generation)
     parsed = NativeRequest(

@@ -105,6 +105,7 @@ def parse_completion(body: Any) -> ParsedRequest:
         grammar=grammar_of(fields),
         logprobs=_completion_logprobs(fields),
         timings_per_token=request_fields.timings_per_token(fields, stream),
+        cache_tenant=request_fields.cache_salt(fields),
     )
     request_fields.check_stops_with_logprobs(generation)
     model = request_fields.model(fields)
@@ -180,6 +181,7 @@ def parse_chat(body: Any) -> ParsedRequest:
         logprobs=_chat_logprobs(fields),
         timings_per_token=request_fields.timings_per_token(fields, stream),
         tools=json.dumps(tools.tools) if tools.active else "",
+        cache_tenant=request_fields.cache_salt(fields),
     )
     request_fields.check_stops_with_logprobs(generation)
     model = request_fields.model(fields)

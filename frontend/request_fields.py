@@ -249,6 +249,28 @@ def logit_bias(fields: RequestFields) -> list[LogitBias] | None:
     return [_bias_entry(k, v) for k, v in pairs]
 
 
+#: Longest ``cache_salt`` (vLLM suggests 43 characters of base64: 256 bits).
+MAX_CACHE_SALT_CHARS = 256
+
+
+def cache_salt(fields: RequestFields) -> str:
+    """vLLM's ``cache_salt``: cached prompts are reused only between requests
+    with the same salt (and, with ``--cache-scope key``, the same key). A
+    non-empty string when given, as vLLM has it. The parser leaves it in
+    ``GenerationRequest.cache_tenant``; the endpoint turns it into the
+    tenant id before anything is sent (``frontend.cache_scope``)."""
+    value = fields.get("cache_salt")
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not value:
+        raise BadRequest("'cache_salt' must be a non-empty string",
+                         param="cache_salt")
+    if len(value) > MAX_CACHE_SALT_CHARS:
+        raise BadRequest(f"'cache_salt' has {len(value)} characters; at most "
+                         f"{MAX_CACHE_SALT_CHARS}", param="cache_salt")
+    return value
+
+
 def check_stops_with_logprobs(generation: GenerationRequest) -> None:
     """Tokens held back behind a stop-string prefix travel with their
     log-probabilities in one frame, whose size the wire bounds."""

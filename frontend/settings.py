@@ -28,7 +28,9 @@ Every default is documented in this one place.
 | LLAMAPOOL_MAX_PENDING_CONNS    | 1000           | arriving requests per process |
 | LLAMAPOOL_CURVE_SERVER_KEY     | (none)         | broker's public .key (CURVE)  |
 | LLAMAPOOL_CURVE_SECRET_KEY     | (none)         | own .key_secret (CURVE)       |
-| LLAMAPOOL_CORS_ORIGINS         | *              | web origins allowed (CORS)    |
+| LLAMAPOOL_CORS_ORIGINS         | (* with keys)  | web origins allowed (CORS)    |
+| LLAMAPOOL_ALLOWED_HOSTS        | (local, IPs)   | Host names served; 421 else   |
+| LLAMAPOOL_CACHE_SCOPE          | key            | prompt reuse: per key or pool |
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from frontend import cache_scope as cache_scope_module
 from protocol import defaults, timing
 from protocol.broker_list import split_endpoints
 from protocol.settings import (
@@ -135,28 +138,67 @@ class FrontendSettings:
         "", "LLAMAPOOL_CURVE_SECRET_KEY", "own .key_secret (CURVE)",
         flag="--curve-secret-key")
     #: Web pages on these origins may call the API (comma-separated, e.g.
-    #: ``https://app.example.com``); ``*``, llama.cpp's default, allows any.
-    #: A browser still needs a key where keys are set: CORS decides only
-    #: which pages may read the answers (``frontend.cors``).
+    #: ``https://app.example.com``); ``*`` allows any. Not given: any origin
+    #: when keys are set (llama.cpp's default, ``*``), none without a key,
+    #: so that no web page can use a keyless pool (``frontend.cors``). A
+    #: browser still needs a key where keys are set: CORS decides only which
+    #: pages may read the answers.
     cors_origins: tuple[str, ...] = setting(
-        ("*",), "LLAMAPOOL_CORS_ORIGINS", "web origins allowed (CORS)",
-        shown="*",
+        (), "LLAMAPOOL_CORS_ORIGINS", "web origins allowed (CORS)",
+        shown="(* with keys)",
         flag="--cors-origins", parse=comma_list,
         help="comma-separated web origins allowed to call the API from a "
-             "browser, or '*' (llama.cpp's --cors-origins)")
+             "browser, or '*' (llama.cpp's --cors-origins; default: '*' "
+             "with API keys, none without)")
+    #: Host names a request may be addressed to, besides the ones always
+    #: served (``localhost``, ``*.localhost``, any IP address, this
+    #: machine's name and the name ``--bind`` gives); ``*``: any. Another
+    #: name gets 421, so a DNS-rebinding page is not served
+    #: (``frontend.cors.HostCheckMiddleware``). Behind a proxy that passes
+    #: the client's Host on, list the names clients use.
+    allowed_hosts: tuple[str, ...] = setting(
+        (), "LLAMAPOOL_ALLOWED_HOSTS", "Host names served; 421 else",
+        shown="(local, IPs)",
+        flag="--allowed-hosts", parse=comma_list,
+        help="comma-separated host names the API answers to (a leading '.' "
+             "takes subdomains too), or '*'; localhost, IP addresses and "
+             "this machine's name always")
+    #: Whose cached prompts a request may reuse (``frontend.cache_scope``):
+    #: ``key``, each API key its own (when there are several keys), or
+    #: ``pool``, every key sharing one cache. A request's ``cache_salt``
+    #: narrows either.
+    cache_scope: str = setting(
+        cache_scope_module.KEY, "LLAMAPOOL_CACHE_SCOPE",
+        "prompt reuse: per key or pool",
+        flag="--cache-scope", choices=cache_scope_module.SCOPES,
+        help="key: cached prompts are reused only for the API key that sent "
+             "them (with several keys); pool: across all keys, which can "
+             "then learn each other's prompts from cached_tokens and timing")
 
     def __post_init__(self) -> None:
         split_endpoints(self.broker_endpoint)  # ConfigError if empty or repeated
-        if not self.cors_origins or ("*" in self.cors_origins
-                                     and self.cors_origins != ("*",)):
+        if self.cache_scope not in cache_scope_module.SCOPES:
+            raise ConfigError(f"LLAMAPOOL_CACHE_SCOPE={self.cache_scope!r} must be "
+                              f"one of {', '.join(cache_scope_module.SCOPES)}")
+        if "*" in self.cors_origins and self.cors_origins != ("*",):
             raise ConfigError("LLAMAPOOL_CORS_ORIGINS is '*' or a list of "
                               f"origins, not {','.join(self.cors_origins)!r}")
+        if "*" in self.allowed_hosts and self.allowed_hosts != ("*",):
+            raise ConfigError("LLAMAPOOL_ALLOWED_HOSTS is '*' or a list of "
+                              f"names, not {','.join(self.allowed_hosts)!r}")
         # Zero would make sockets non-blocking or close every connection.
         for name in ("header_timeout_s", "body_timeout_s", "send_timeout_s",
                      "max_pending_connections"):
             if not getattr(self, name) > 0:
                 env = self.__dataclass_fields__[name].metadata["env"]
                 raise ConfigError(f"{env} must be above 0, not {getattr(self, name)}")
+
+    def web_origins(self) -> tuple[str, ...]:
+        """The origins CORS grants: as given, else ``*`` with keys and none
+        without (``cors_origins``)."""
+        if self.cors_origins:
+            return self.cors_origins
+        return ("*",) if self.api_keys else ()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FrontendSettings:

@@ -40,6 +40,16 @@ from frontend.request_fields import RequestFields
 MAX_TOOLS = 128
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+#: The deepest JSON a call's arguments may nest, in the model's output or in
+#: the client's history. Python's parser recurses once per level and raised
+#: ``RecursionError`` (a 500, a cut stream) at about 1,000 (issue 29); the
+#: check below counts without recursing, and the schemas a call must follow
+#: nest at most ``workers.model.grammar.MAX_SCHEMA_DEPTH`` (32) anyway.
+MAX_JSON_DEPTH = 128
+#: A JSON string (its brackets are not counted), a bracket, or a quote that
+#: opens no string: the text is not JSON from there on.
+_STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]|"', re.DOTALL)
 _CALL_BLOCK = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE),
                          re.DOTALL)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -148,17 +158,56 @@ def tool_request(body: RequestFields) -> ToolRequest:
                                             if f["name"] == name]))
 
 
+class TooDeep(ValueError):
+    """JSON nested deeper than ``MAX_JSON_DEPTH``."""
+
+
+def json_depth(text: str) -> int:
+    """How deep the brackets of JSON ``text`` nest, outside its strings,
+    counted without recursion (for a text that is not JSON, a number that
+    need not mean anything)."""
+    depth = deepest = 0
+    for match in _STRING_OR_BRACKET.finditer(text):
+        token = match.group()
+        if token == '"':
+            # An unterminated string: a parser stops there, and scanning on
+            # from each later quote would cost the square of the length.
+            break
+        if token in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token in "]}":
+            depth -= 1
+    return deepest
+
+
+def loads_shallow(text: str):
+    """``json.loads`` of text that nests at most ``MAX_JSON_DEPTH`` deep.
+
+    Raises:
+        TooDeep: deeper (before any parsing, which would recurse).
+        ValueError: not JSON.
+    """
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise TooDeep(f"nested deeper than {MAX_JSON_DEPTH}")
+    return json.loads(text)
+
+
 def split_calls(text: str) -> tuple[str | None, list[dict]]:
     """The answer's ``content`` and its ``tool_calls`` (OpenAI's shape).
 
     A block that is not a JSON object with a string ``name`` stays in the
-    content, as the model wrote it.
+    content, as the model wrote it: so does one nested deeper than
+    ``MAX_JSON_DEPTH``. What the model wrote is no mistake of the client's,
+    and a client of OpenAI's API expects an answer for it, never an error
+    (OpenAI passes on even arguments that are not valid JSON): so it gets
+    the text, and a stream still ends with ``[DONE]``.
     """
     calls, kept, at = [], [], 0
     for match in _CALL_BLOCK.finditer(text):
         try:
-            call = json.loads(match.group(1))
-        except ValueError:
+            call = loads_shallow(match.group(1))
+        except ValueError:  # TooDeep among them
             continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             continue
@@ -197,11 +246,14 @@ def calls_as_text(calls: Any, where: str) -> str:
             raise BadRequest(f"{where}[{i}] must be {{\"function\": {{\"name\": "
                              "..., \"arguments\": \"<JSON text>\"}}}}",
                              param=f"{where}[{i}]")
+        param = f"{where}[{i}].function.arguments"
         try:
-            parsed = json.loads(arguments) if arguments.strip() else {}
+            parsed = loads_shallow(arguments) if arguments.strip() else {}
+        except TooDeep:
+            raise BadRequest(f"{param} is JSON nested deeper than "
+                             f"{MAX_JSON_DEPTH}", param=param) from None
         except ValueError:
-            raise BadRequest(f"{where}[{i}].function.arguments is not JSON",
-                             param=f"{where}[{i}].function.arguments") from None
+            raise BadRequest(f"{param} is not JSON", param=param) from None
         body = json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False)
         out.append(f"{CALL_OPEN}{body}{CALL_CLOSE}")
     return "".join(out)

@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--gpus", type=_gpu_list, default=None, metavar="0,1",
                     help="GPU ids: worker i sees only the (i mod N)-th "
                          "(CUDA_VISIBLE_DEVICES); with --gpu-layers")
-    add_flags(up, FrontendSettings, ("api_keys", "api_key_file"))
+    add_flags(up, FrontendSettings, ("api_keys", "api_key_file", "cache_scope",
+                                     "cors_origins", "allowed_hosts"))
     add_flags(up, WorkerSettings, UP_WORKER_FLAGS)
 
     broker = sub.add_parser("broker", help="the broker alone")
@@ -275,6 +276,7 @@ def _absolute(path: str) -> str:
 
 def run_frontend(args: argparse.Namespace) -> int:
     from frontend.auth import key_suffix
+    from frontend.cors import bind_name
     from frontend.settings import read_key_file
     from llamapool.serve import exec_gunicorn
 
@@ -289,7 +291,8 @@ def run_frontend(args: argparse.Namespace) -> int:
     if keys:
         log.info("API keys required; first key ends in ...%s", key_suffix(keys[0]))
     else:
-        log.warning("no API key set: every endpoint is open")
+        log.warning("no API key set: every endpoint is open to local clients "
+                    "(web pages only from the origins --cors-origins allows)")
     try:
         # Fail here, once, not in every gunicorn worker.
         client_keys(settings.curve_server_key, settings.curve_secret_key)
@@ -297,8 +300,13 @@ def run_frontend(args: argparse.Namespace) -> int:
         return _fail(log, ExitCode.CURVE_KEYS, "%s", exc)
     # gunicorn's workers read the settings back from the environment
     # (``llamapool.wsgi``); file paths are made absolute for them.
+    bind_host = bind_name(args.bind)
     settings = dataclasses.replace(
         settings,
+        # The name it is bound by is a name it answers to (``frontend.cors``).
+        allowed_hosts=settings.allowed_hosts
+        if bind_host is None or settings.allowed_hosts == ("*",)
+        else (*settings.allowed_hosts, bind_host),
         api_key_file=_absolute(settings.api_key_file),
         curve_server_key=_absolute(settings.curve_server_key),
         curve_secret_key=_absolute(settings.curve_secret_key),

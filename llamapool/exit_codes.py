@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import enum
 
+from protocol.worker_phase import CANCEL_TIMEOUT_EXIT
+
 
 class ExitCode(enum.IntEnum):
     OK = 0
@@ -27,6 +29,10 @@ class ExitCode(enum.IntEnum):
     INSECURE = 6
     #: A CURVE key file or directory is missing or bad.
     CURVE_KEYS = 7
+    #: A worker ended itself: a job it was told to cancel stayed stuck in
+    #: native code past --cancel-timeout-s. Restarted at once, and not
+    #: counted toward a crash loop's hold.
+    CANCEL_TIMEOUT = CANCEL_TIMEOUT_EXIT
     #: A second SIGTERM/SIGINT ended the process at once.
     FORCED = 130
 

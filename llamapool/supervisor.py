@@ -8,7 +8,13 @@ first (no new requests), then workers, then the broker.
 Children run in their own sessions so a terminal's Ctrl-C reaches only this
 supervisor, which then sends each child one SIGTERM (a second signal would
 force an immediate exit). ``PR_SET_PDEATHSIG`` takes them down if the
-supervisor itself is killed.
+supervisor itself is killed: SIGTERM for the broker and the frontend, which
+stop cleanly on it, and SIGKILL for the workers, whose SIGTERM handler never
+runs while a job holds the main thread in one native call (issue 29: such a
+worker outlived ``up`` and kept a core busy as an orphan). A worker that
+ended itself for a cancelled job stuck in native code (exit
+``CANCEL_TIMEOUT``, ``workers.model.worker_link``) is restarted at once and
+not counted toward a crash loop: one request caused it, not the worker.
 """
 
 from __future__ import annotations
@@ -40,12 +46,14 @@ log = logging.getLogger("llamapool.up")
 #: other worker setting comes from the environment, or is up's to choose).
 UP_WORKER_FLAGS = ("n_threads", "pool_cores", "model_name", "embedding_batch_tokens",
                    "cache_ram_mib", "gpu_layers", "flash_attn", "repack", "n_ctx",
-                   "chat_format", "heartbeat_interval_s", "heartbeat_liveness")
+                   "chat_format", "heartbeat_interval_s", "heartbeat_liveness",
+                   "cancel_timeout_s")
 #: ... and those it hands to the frontend (its own --api-key and
 #: --api-key-file among them) and to the broker.
 UP_FRONTEND_FLAGS = ("api_keys", "api_key_file", "n_ctx", "chat_format",
-                     "heartbeat_interval_s", "heartbeat_liveness")
-UP_BROKER_FLAGS = ("heartbeat_interval_s", "heartbeat_liveness")
+                     "heartbeat_interval_s", "heartbeat_liveness", "cache_scope",
+                     "cors_origins", "allowed_hosts")
+UP_BROKER_FLAGS = ("heartbeat_interval_s", "heartbeat_liveness", "cancel_timeout_s")
 
 RESTART_BACKOFF_MAX_S = 30.0
 STOP_TIMEOUT_S = 40.0
@@ -69,12 +77,31 @@ def default_model_path() -> str:
     return str(path)
 
 
-def _die_with_parent() -> None:
+def _load_libc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        return ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:
-        pass  # not Linux: children may outlive a killed supervisor
+        return None  # not Linux: children may outlive a killed supervisor
+
+
+#: Loaded here, not in the forked child: between fork and exec only the
+#: prctl call itself runs.
+_LIBC = _load_libc()
+
+#: What a child gets when ``up`` dies (``PR_SET_PDEATHSIG``): SIGTERM stops a
+#: broker or a frontend cleanly; a worker gets SIGKILL, the one signal that
+#: ends it while a job holds its main thread in native code.
+DEATH_SIGNALS: dict[str, signal.Signals] = {"worker": signal.SIGKILL}
+
+
+def _die_with_parent(sig: signal.Signals, parent_pid: int) -> None:
+    """In the child, before exec: ``sig`` when the supervisor dies."""
+    if _LIBC is None:
+        return
+    _LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent_pid:
+        # The supervisor died between fork and prctl: no signal will come.
+        os._exit(1)
 
 
 class Child:
@@ -106,8 +133,11 @@ class Child:
         self.held: str | None = None
 
     def start(self) -> None:
+        death_signal = DEATH_SIGNALS.get(self.role, signal.SIGTERM)
+        parent_pid = os.getpid()
         self.proc = subprocess.Popen(
-            self.argv, start_new_session=True, preexec_fn=_die_with_parent,
+            self.argv, start_new_session=True,
+            preexec_fn=lambda: _die_with_parent(death_signal, parent_pid),
             env={**os.environ, **self.env} if self.env else None,
         )
         self.started_at = time.monotonic()
@@ -147,6 +177,16 @@ class Child:
         if self.held is not None:  # the stand-in itself: just start it again
             log.warning("%s (held) stand-in exited: %s", self.name, how)
             self.restart_at = now + self.backoff_s
+            return
+        if self.role == "worker" and code == ExitCode.CANCEL_TIMEOUT:
+            # It ended itself: a job it was told to cancel stayed stuck in
+            # native code. Not the worker's fault, so no crash and no
+            # backoff; each such exit took one request and the whole
+            # --cancel-timeout-s, so it cannot loop fast.
+            log.warning("%s (pid %d) %s; restarting it now", self.name,
+                        self.proc.pid, how)
+            self.env["LLAMAPOOL_LAST_FAILURE"] = f"{self.name} {how}"
+            self.restart_at = now
             return
         # A clean exit (0: someone stopped it) is restarted but is no crash.
         self.crashes += code != 0

@@ -51,6 +51,10 @@ class ErrorCode(str, enum.Enum):
     #: The worker showed no sign of a job it was given within
     #: ``--first-frame-timeout-s`` (a fake or wedged worker); it was dropped.
     WORKER_UNRESPONSIVE = "worker_unresponsive"
+    #: A SUBMIT the broker or the worker could not decode (a peer of another
+    #: version, or a frontend that lies), answered instead of dropped so its
+    #: sender does not wait out a timeout.
+    UNREADABLE_JOB = "unreadable_job"
     # The frontend ended the job: its link lost the broker, or no frame came.
     BROKER_UNREACHABLE = "broker_unreachable"
     BROKER_RESTARTED = "broker_restarted"

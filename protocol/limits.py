@@ -74,6 +74,8 @@ MAX_HOST_CHARS = 255  # a DNS name
 MAX_NAME_CHARS = 512
 #: Job and request ids (frontends use 32 hex digits).
 MAX_ID_CHARS = 128
+#: What a SUBMIT may show of its API key (the last 4 characters, or "-").
+MAX_KEY_LABEL_CHARS = 8
 #: The most llama.cpp threads (or pool cores) a message may name; far above
 #: any real host, low enough that a hostile value allocates nothing silly.
 MAX_THREADS = 4096

@@ -66,8 +66,10 @@ from protocol.records import (
 #: id_slot, TOKEN's timings and embedding, FINAL's stopping_word, ERROR's
 #: prompt and context sizes, THREADS and THREADS_SET: a peer of 04 would drop
 #: these trailing fields, e.g. lease any slot for an ``id_slot`` or reuse the
-#: cache for ``cache_prompt: false``).
-PROTOCOL_HEADER = b"LLAMAPOOL05"
+#: cache for ``cache_prompt: false``; 06: a request's cache_tenant, which a
+#: worker of 05 would drop and then reuse one tenant's cached prompt for
+#: another's, the cross-key oracle of issue 29).
+PROTOCOL_HEADER = b"LLAMAPOOL06"
 
 #: Largest body any command accepts (a STATUS reply); each command has its
 #: own, smaller or equal, ceiling (``Message.LIMITS``).
@@ -80,6 +82,8 @@ _HOST = Text(limits.MAX_HOST_CHARS)
 _NAME = Text(limits.MAX_NAME_CHARS)
 _ID = Text(limits.MAX_ID_CHARS)
 _REASON = Text(limits.MAX_REASON_CHARS)
+#: What may be shown of an API key (``frontend.auth.key_suffix``).
+_KEY = Text(limits.MAX_KEY_LABEL_CHARS)
 _THREADS = Count(1, limits.MAX_THREADS)
 _POOL_CORES = Count(0, limits.MAX_THREADS)
 
@@ -234,12 +238,19 @@ class Submit(Message):
     KV cache already holds the longest run of them.
     ``id_slot`` (llama.cpp's native field): -1 lets the broker choose; any
     other value is the one slot (as ``/slots`` numbers them) the job must get.
+    ``request_id`` (the HTTP request's ``X-Request-Id``) and ``key`` (what
+    may be shown of its API key: the last 4 characters, as the frontend's
+    request log has them, "-" for none) are for the broker's log lines about
+    the job (a worker that died during it); they change no output, so a peer
+    that drops them loses only those words.
     """
 
     job_id: Annotated[str, _ID]
     request: GenerationRequest
     prefix_blocks: list[int] = dataclasses.field(default_factory=list)
     id_slot: int = -1
+    request_id: Annotated[str, _ID] = ""
+    key: Annotated[str, _KEY] = ""
 
 
 @_register(0x11)
@@ -449,11 +460,13 @@ def is_token_of(frames: list[bytes], tag: bytes) -> bool:
             and body.startswith(tag, 1))
 
 
-def claimed_job_id(frames: list[bytes]) -> str | None:
+def claimed_job_id(frames: list[bytes],
+                   kinds: tuple[type[Message], ...] = JOB_FRAMES) -> str | None:
     """The job id a job frame's body opens with, without decoding the rest
     (None if it does not open with one): to end the job of a frame that
-    failed to decode."""
-    if command_class(frames) not in JOB_FRAMES or len(frames) != 3:
+    failed to decode. ``kinds``: the commands that may claim one (``(Submit,)``
+    for a SUBMIT that a broker or worker cannot read, answered with ERROR)."""
+    if command_class(frames) not in kinds or len(frames) != 3:
         return None
     unpacker = msgpack.Unpacker(max_buffer_size=len(frames[2]) or 1,
                                 max_str_len=limits.MAX_ID_CHARS * 4)

@@ -156,6 +156,14 @@ class GenerationRequest(WireRecord):
     #: False (llama.cpp's native ``cache_prompt``): evaluate the whole prompt,
     #: reusing nothing the worker's KV cache holds.
     cache_prompt: bool = True
+    #: Whose cached prompt states this job may reuse, and whose its own
+    #: become: a keyed hash of the API key (``--cache-scope key``) and the
+    #: request's ``cache_salt``, made by the frontend (``frontend.cache_scope``;
+    #: the parsers leave the client's salt here, and the endpoint replaces it
+    #: before SUBMIT). "" is the pool's shared scope. A worker reuses a saved
+    #: state or its live sequence only for the tenant that made it, and the
+    #: prefix fingerprints are in this scope (``protocol.prefix``).
+    cache_tenant: Annotated[str, Text(limits.MAX_ID_CHARS)] = ""
 
 
 # --- log-probabilities of generated tokens (TOKEN, FINAL) -------------------------

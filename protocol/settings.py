@@ -130,6 +130,10 @@ def as_argv(cls: type, values: Mapping[str, Any]) -> list[str]:
         if "const" in meta["cli"]:
             argv += [meta["flag"]] if value == meta["cli"]["const"] else []
             continue
+        if isinstance(value, tuple) and meta["cli"].get("action") != "append":
+            # One comma list (``comma_list``): given twice, the last would win.
+            argv += [meta["flag"], ",".join(value)]
+            continue
         for item in value if isinstance(value, (list, tuple)) else [value]:
             argv += [meta["flag"], str(item)]
     return argv

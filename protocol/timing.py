@@ -27,3 +27,11 @@ STALL_TIMEOUT_S = 60.0
 #: Lowest and highest Retry-After the broker will suggest with NO_SLOT.
 RETRY_AFTER_MIN_S = 1.0
 RETRY_AFTER_MAX_S = 60.0
+
+#: A job cancelled this long ago and still not ended is stuck in native code
+#: (a decode that never returns): the broker drops its worker from the
+#: ledger, and the worker ends its own process so that its supervisor starts
+#: a fresh one. A real worker ends a cancelled job at its next token; the
+#: longest legitimate wait is a prompt's prefill, which llama.cpp runs with
+#: no cancel check (docs/operations.md, "Stuck workers").
+CANCEL_TIMEOUT_S = 30.0

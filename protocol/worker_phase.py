@@ -64,10 +64,20 @@ def read_phase(path: str | None) -> str:
         return ""
 
 
+#: The exit status of a worker that ended its own process because a job it
+#: was told to cancel did not end within ``--cancel-timeout-s``: the job's
+#: thread is stuck in native code, where no signal but SIGKILL reaches it
+#: (``workers.model.worker_link``). ``llamapool.exit_codes`` names it too.
+CANCEL_TIMEOUT_EXIT = 8
+
+
 def describe_exit(returncode: int, phase: str = "") -> str:
     """``killed by SIGSEGV during job 3f2a``: how a process ended, from
     ``Popen.returncode`` (negative: the signal that killed it)."""
-    if returncode < 0:
+    if returncode == CANCEL_TIMEOUT_EXIT:
+        how = (f"exited with {returncode} (a cancelled job stuck in native "
+               "code past --cancel-timeout-s)")
+    elif returncode < 0:
         try:
             how = f"killed by {signal.Signals(-returncode).name}"
         except ValueError:

@@ -53,7 +53,8 @@ class FakeLink:
     def broker_alive(self) -> bool:
         return True
 
-    def submit(self, job_id, request, blocks=None, id_slot=-1) -> JobStream:
+    def submit(self, job_id, request, blocks=None, id_slot=-1,
+               origin=None) -> JobStream:
         self.submitted.append(job_id)
         self.id_slots.append(id_slot)
         stream = self.streams[job_id] = JobStream(job_id)

@@ -31,8 +31,9 @@ one_worker_pool = pool_fixture(workers=1)
 def _cancel_after_first_event(port: int, body: dict) -> None:
     payload = json.dumps(body).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: "
-                  + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                  b"Content-Length: " + str(len(payload)).encode()
+                  + b"\r\n\r\n" + payload)
         data = b""
         while b"data: " not in data:
             chunk = s.recv(4096)

@@ -126,8 +126,8 @@ deadline_pool = pool_fixture(workers=1,
                                            "LLAMAPOOL_BODY_TIMEOUT_S": "10"})
 
 
-SLOW_HEAD = b"GET /health HTTP/1.1\r\nHost: test\r\nX-Slow: "
-SLOW_BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: "
+SLOW_HEAD = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: "
+SLOW_BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
              b"application/json\r\nContent-Length: 5000\r\n\r\n{")
 
 
@@ -197,7 +197,8 @@ def test_clients_that_never_close_do_not_freeze_the_server(deadline_pool):
     try:
         for _ in range(60):
             s = socket.create_connection(("127.0.0.1", pool.port), timeout=10)
-            s.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n"
+                      b"Connection: close\r\n\r\n")
             lingerers.append(s)
         under_load = timed(legit)
         for s in lingerers:  # every one was answered, and half-closed by us
@@ -221,7 +222,7 @@ class NeverReads:
         self.sock.connect(("127.0.0.1", port))
         payload = json.dumps(LONG).encode()
         self.sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: "
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
             b"application/json\r\nContent-Length: %d\r\n\r\n%s"
             % (len(payload), payload))
 
@@ -260,8 +261,8 @@ def test_expect_continue_and_pipelined_requests_still_work(deadline_pool):
     pool = deadline_pool
     body = json.dumps(SHORT).encode()
     with socket.create_connection(("127.0.0.1", pool.port), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nExpect: 100-continue"
-                  b"\r\nContent-Length: %d\r\n\r\n" % len(body))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                  b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
         assert s.recv(4096).startswith(b"HTTP/1.1 100 Continue")
         s.sendall(body)
         reply = b""
@@ -269,8 +270,9 @@ def test_expect_continue_and_pipelined_requests_still_work(deadline_pool):
             reply += s.recv(65536)
         assert b" 200 OK" in reply
     with socket.create_connection(("127.0.0.1", pool.port), timeout=10) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n" * 2
-                  + b"GET /v1/models HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n" * 2
+                  + b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"
+                    b"Connection: close\r\n\r\n")
         reply = b""
         while chunk := s.recv(65536):
             reply += chunk

@@ -127,7 +127,8 @@ def test_props_describes_the_pool(whole_pool):
     assert settings["params"]["top_k"] == 40
     assert props["chat_template"] == CHAT_TEMPLATE
     assert (props["bos_token"], props["eos_token"]) == ("<s>", "</s>")
-    assert props["model_path"] == str(whole_pool.model_path)
+    # The file's name, never its directory (issue 29).
+    assert props["model_path"] == whole_pool.model_path.name
     assert "llama-cpp-python" in props["build_info"]
     assert props["modalities"] == {"vision": False, "audio": False, "video": False}
     error = _error(_post(whole_pool, "/props", {"n_ctx": 1}), 501)

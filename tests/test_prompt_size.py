@@ -95,7 +95,7 @@ def test_an_abandoned_huge_prompt_frees_the_worker_slot(ungated_pool):
                           "stream": True}).encode()
     before = pool.status()["counters"].get("submitted", 0)
     with socket.create_connection(("127.0.0.1", pool.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
                      b"Content-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
         wait_until(lambda: pool.status()["counters"].get("submitted", 0) > before,

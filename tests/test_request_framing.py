@@ -10,7 +10,7 @@ import pytest
 
 from llamapool.request_framing import Progress, RequestFraming
 
-HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
 CHUNKED = HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
 
 
@@ -20,8 +20,8 @@ def fed_bytewise(data: bytes, max_body: int = 100) -> list[Progress]:
 
 
 @pytest.mark.parametrize("request_bytes", [
-    b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n",
-    b"\r\nGET /health HTTP/1.1\r\nHost: t\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n",
+    b"\r\nGET /health HTTP/1.1\r\nHost: localhost\r\n\r\n",
     HEAD + b"Content-Length: 5\r\n\r\nabcde",
     CHUNKED + b"3\r\nabc\r\n2;ext=1\r\nde\r\n0\r\n\r\n",
     CHUNKED + b"3\r\nabc\r\n0\r\nX-Trailer: 1\r\n\r\n",

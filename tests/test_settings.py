@@ -169,7 +169,9 @@ def test_a_flag_is_declared_once_and_hands_its_value_on(command, cls):
             values[f.name] = ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"] \
                 if f.name == "broker_endpoint" else ["a", "b"]
         elif f.name == "cors_origins":
-            values[f.name] = ("http://a.example",)
+            values[f.name] = ("http://a.example", "http://b.example")
+        elif f.name == "allowed_hosts":
+            values[f.name] = ("pool.example", ".lan.example")
         else:
             kind = type(f.default) if f.default is not dataclasses.MISSING else str
             values[f.name] = _OTHER.get(kind, "x")

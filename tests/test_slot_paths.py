@@ -39,7 +39,7 @@ class RawStream:
         payload = json.dumps(body).encode()
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self.sock.sendall(
-            f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json"
+            f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
             f"\r\nContent-Length: {len(payload)}\r\n{extra}\r\n".encode() + payload
         )
         self.data = b""

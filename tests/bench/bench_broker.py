@@ -234,7 +234,7 @@ class HeldStream:
         self.sock.settimeout(30)
         self.sock.connect(("127.0.0.1", port))
         self.sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
             b"Content-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         head = b""

@@ -37,8 +37,8 @@ from pathlib import Path
 
 from tests.pool import Pool
 
-HEAD = b"GET /health HTTP/1.1\r\nHost: bench\r\nX-Slow: "
-BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: "
+HEAD = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: "
+BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
         b"application/json\r\nContent-Length: 100000\r\n\r\n{")
 STEPS = [0, 32, 64, 96, 118, 126, 160, 256, 512, 1000, 2000]
 LEGIT_REQUESTS = 8
@@ -53,7 +53,7 @@ def health_once(url: str) -> float | None:
     try:
         with socket.create_connection(("127.0.0.1", port),
                                       timeout=LEGIT_TIMEOUT_S) as s:
-            s.sendall(b"GET /health HTTP/1.1\r\nHost: bench\r\n"
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n"
                       b"Connection: close\r\n\r\n")
             reply = b""
             while chunk := s.recv(65536):
@@ -137,8 +137,8 @@ def never_read(model: Path, run_dir: Path, streams: int, limit_s: float) -> list
             s = socket.socket()
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.connect(("127.0.0.1", pool.port))
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: b\r\nContent-Type: "
-                      b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                       % (len(payload), payload))
             socks.append(s)
         t0 = time.monotonic()

@@ -59,7 +59,7 @@ class PausedStream:
         self.sock.connect((address, FRONTEND_PORT))
         payload = json.dumps(body).encode()
         self.sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: pool\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
             b"Content-Type: application/json\r\n"
             + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
         )

@@ -231,7 +231,7 @@ def test_slow_request_heads_are_cut_by_nginx(balanced):
     closed at the header deadline, and a legitimate request meanwhile is
     served."""
     started = time.monotonic()
-    open_socks = {_open(balanced, b"GET /health HTTP/1.1\r\nHost: x\r\nX-a: ")
+    open_socks = {_open(balanced, b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-a: ")
                   for _ in range(100)}
     closed_at: list[float] = []
     try:
@@ -267,7 +267,7 @@ def test_connections_per_address_are_limited(balanced):
     """One address cannot hold more than the limit of requests open at once:
     the next gets nginx's 429, and none of it reaches a frontend thread
     (bodies are buffered by nginx)."""
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
             b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
     held = [_open(balanced, head) for _ in range(PER_ADDRESS_LIMIT)]
     try:

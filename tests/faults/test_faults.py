@@ -97,8 +97,9 @@ def _client_that_disconnects(port: int, rng: random.Random, results: list) -> No
             return
         payload = json.dumps(body).encode()
         s = socket.create_connection(("127.0.0.1", port), timeout=30)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: "
-                  + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                  b"Content-Length: " + str(len(payload)).encode()
+                  + b"\r\n\r\n" + payload)
         if point == "before_first_token":
             s.close()
             results.append("ok")

@@ -37,16 +37,17 @@ from collections.abc import Callable
 
 import zmq
 
-from protocol import curve, messages, timing
+from protocol import curve, limits, messages, timing
 from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from protocol.log_throttle import LogThrottle
-from protocol.payloads import PoolStatus
+from protocol.payloads import EMBEDDING, PoolStatus
 from protocol.prefix import MAX_BLOCKS
 from protocol.zmq_frames import recv_frames, waiting
+from workers.broker import cache_claims
 from workers.broker import ledger as ledger_mod
 from workers.broker.counters import BrokerCounters
-from workers.broker.expiry import MuteJobs, StuckFrontends
+from workers.broker.expiry import MuteJobs, StuckCancels, StuckFrontends
 from workers.broker.job_relay import JobRelay
 from workers.broker.metrics import LatestSnapshotCollector
 from workers.broker.peer_sockets import PeerSockets
@@ -109,7 +110,8 @@ class Broker:
         #: Heard at every heartbeat, in this order, after the ledger's
         #: liveness expiry.
         self._on_beat: list[Callable[[float], None]] = [
-            MuteJobs(self).on_beat, self.step_down.on_beat]
+            MuteJobs(self).on_beat, StuckCancels(self).on_beat,
+            self.step_down.on_beat]
         self._frontend_handlers: dict[type, Callable] = {
             messages.Status: self._on_status,
             messages.Cancel: self._on_cancel_message,
@@ -163,7 +165,8 @@ class Broker:
                     self._read_workers()
                 if self.sockets.frontends in ready:
                     self._drain(self.sockets.frontends, curve.FRONTENDS,
-                                self._on_frontend_frames, self.malformed)
+                                self._on_frontend_frames,
+                                self._malformed_from_frontend)
                 self.stuck_frontends.drop()
                 now = time.monotonic()
                 if self.step_down:
@@ -231,6 +234,22 @@ class Broker:
             "malformed", "dropped malformed message #%d from %s: %s",
             self.counters.malformed_dropped, identity[:16].hex(), why[:200],
         )
+
+    def _malformed_from_frontend(self, identity: bytes, why: str,
+                                 frames: list[bytes]) -> None:
+        """Drop and count; and answer a SUBMIT that names its job with
+        ERROR, so its frontend fails the request now instead of after its
+        submit timeout. A frontend of this version never sends one (its
+        SUBMIT is checked by the same decoder): a peer of another version
+        (a chat role this one does not know), or one that lies."""
+        self.malformed(identity, why)
+        job_id = messages.claimed_job_id(frames, (messages.Submit,))
+        if job_id is None:
+            return
+        self.counters.unreadable_submits += 1
+        self.to_frontend(identity, messages.Error(
+            job_id, ErrorCode.UNREADABLE_JOB,
+            f"the broker could not read the job: {why}"[:limits.MAX_REASON_CHARS]))
 
     def _violation(self, side: str, send, ident: bytes, msg) -> None:
         """A known peer sent a command it should not: DISCONNECT."""
@@ -318,6 +337,12 @@ class Broker:
             return
         if slot.shared_blocks_at_assign:
             self.counters.routed_by_prefix += 1
+        job = self.ledger.jobs[msg.job_id]
+        job.request_id, job.key = msg.request_id, msg.key
+        # Reuse is what a FINAL's cached_tokens measures: not for an
+        # embedding, nor for a request that asked for none.
+        job.check_claim = (msg.request.kind != EMBEDDING
+                           and msg.request.cache_prompt)
         if (not self.step_down.on_assign(msg.job_id, slot.identity, raw, now)
                 and not self.to_worker(slot.identity, raw)):
             # The worker vanished between its last beat and now.
@@ -400,32 +425,65 @@ class Broker:
         self.ledger.finish(job.job_id, now)
         self.stats.job_ended(msg, job.cancel_requested_at, now)
         slot = self.ledger.workers.get(job.worker)
+        if (slot is not None and job.claimed_blocks and job.check_claim
+                and isinstance(msg, messages.Final) and cache_claims.checkable(msg)):
+            self._check_claim(slot, job, msg.usage.cached_tokens)
         if slot is not None and slot.draining:
             self.ledger.remove_worker(job.worker)
         self.counters.finished += 1
         self.step_down.on_finish(job.worker)
+
+    def _check_claim(self, slot: ledger_mod.WorkerSlot, job: ledger_mod.Job,
+                     cached_tokens: int) -> None:
+        """Score the claim that placed (or could have placed) ``job`` on its
+        worker by what the worker reused (``workers.broker.cache_claims``)."""
+        kept = cache_claims.claim_kept(job.claimed_blocks, cached_tokens)
+        if kept:
+            self.counters.cache_claims_kept += 1
+        else:
+            self.counters.cache_claims_failed += 1
+        if slot.claims.record(kept):
+            self.counters.workers_distrusted += 1
+            self.log.warning(
+                "claims distrusted", "worker's cache claims failed: slot=%d "
+                "pid=%d host=%s claimed %d blocks of %s and reused %d tokens "
+                "(%d of its claims failed, %d kept); its claims steer no "
+                "routing until it keeps them", slot.slot_id, slot.info.pid,
+                slot.info.host, job.claimed_blocks, job.named(), cached_tokens,
+                slot.claims.failed, slot.claims.kept)
 
     def fail_job(self, job: ledger_mod.Job, code: ErrorCode, message: str) -> None:
         """End a job the broker can no longer run: ERROR to its frontend."""
         self.counters.job_failed(code)
         self.to_frontend(job.frontend, messages.Error(job.job_id, code, message))
 
-    def worker_died(self, ident: bytes, why: str) -> None:
-        """Forget a worker that is gone; its job fails with ``worker_died``."""
+    def worker_died(self, ident: bytes, why: str, *,
+                    code: ErrorCode = ErrorCode.WORKER_DIED,
+                    message: str = "the model worker died mid-job") -> None:
+        """Forget a worker that is gone (or that the broker gives up on); its
+        job fails with ``code``, and the log line names the job, its request
+        and its key, so a worker that dies on every job can be traced to
+        the requests that kill it."""
         slot = self.ledger.workers.get(ident)
         orphan = self.ledger.remove_worker(ident)
         self.counters.worker_deaths += 1
         self.step_down.on_worker_gone(ident)
         if slot is not None:
             self.registration.on_worker_gone(slot.info.host)
-            self.log.warning(
-                "worker lost", "worker lost (%s): slot=%d pid=%d host=%s",
-                why, slot.slot_id, slot.info.pid, slot.info.host,
-            )
+            if orphan is None:
+                self.log.warning(
+                    "worker lost", "worker lost (%s): slot=%d pid=%d host=%s",
+                    why, slot.slot_id, slot.info.pid, slot.info.host)
+            else:
+                # Its own key: a flood of idle fakes coming and going must
+                # not hold back the lines that name jobs.
+                self.log.warning(
+                    "worker lost mid-job", "worker lost (%s) during %s: slot=%d "
+                    "pid=%d host=%s; the job fails with %s", why, orphan.named(),
+                    slot.slot_id, slot.info.pid, slot.info.host, code)
         if orphan is not None:
             self.stats.job_lost()
-            self.fail_job(orphan, ErrorCode.WORKER_DIED,
-                          "the model worker died mid-job")
+            self.fail_job(orphan, code, message)
 
     # --- liveness ----------------------------------------------------------------
 

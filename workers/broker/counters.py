@@ -30,6 +30,15 @@ class BrokerCounters:
     submits_held_for_step_down: int = 0
     step_down_waits_expired: int = 0
     status_requests: int = 0
+    #: SUBMITs from frontends that did not decode but named their job,
+    #: answered with ERROR ``unreadable_job``.
+    unreadable_submits: int = 0
+    #: Cache claims checked against the FINAL's ``cached_tokens``
+    #: (``workers.broker.cache_claims``), and workers whose claims stopped
+    #: steering routing.
+    cache_claims_kept: int = 0
+    cache_claims_failed: int = 0
+    workers_distrusted: int = 0
     # Workers.
     worker_registrations: int = 0
     worker_restarts: int = 0
@@ -37,6 +46,9 @@ class BrokerCounters:
     worker_refused_full: int = 0
     worker_unresponsive: int = 0
     worker_protocol_errors: int = 0
+    #: Workers dropped for not ending a cancelled job within
+    #: ``--cancel-timeout-s`` (stuck in native code).
+    worker_cancel_timeouts: int = 0
     # Frontends.
     frontend_deaths: int = 0
     frontend_send_full: int = 0

@@ -27,6 +27,7 @@ from protocol import limits, messages, timing
 from protocol.payloads import JobProgress, PoolStatus, PoolTotals, SlotStatus
 from protocol.prefix import MAX_BLOCKS
 from protocol.prompt_cache import PromptCacheStatus
+from workers.broker.cache_claims import ClaimTrust
 
 LOADING = "loading"
 FAILED = "failed"
@@ -73,6 +74,14 @@ class WorkerSlot:
     #: The thread count last sent in THREADS (``--threads auto`` workers);
     #: None: nothing sent yet.
     threads_told: int | None = None
+    #: Whether its cache claims steer routing, from how its past claims
+    #: fared (``workers.broker.cache_claims``).
+    claims: ClaimTrust = dataclasses.field(default_factory=ClaimTrust)
+
+    def routing_blocks(self, blocks: list) -> int:
+        """Leading blocks of a prompt this worker holds, as routing counts
+        them: 0 while its claims are not believed."""
+        return held_blocks(self.cached_blocks, blocks) if self.claims.trusted else 0
 
 
 @dataclasses.dataclass
@@ -90,6 +99,20 @@ class Job:
     #: ``job_id`` as it opens the job's frames on the wire
     #: (``messages.job_id_tag``): the relay's check of a TOKEN.
     tag: bytes = b""
+    #: For the broker's log lines: the HTTP request, and what may be shown
+    #: of its API key (``messages.Submit``).
+    request_id: str = ""
+    key: str = ""
+    #: Leading blocks of its prompt the worker claimed to hold when the job
+    #: was assigned (believed or not), and whether its FINAL can check that
+    #: claim (``workers.broker.cache_claims``).
+    claimed_blocks: int = 0
+    check_claim: bool = False
+
+    def named(self) -> str:
+        """``job 3f2a.. (request 9c1.., key abcd)``, for log lines."""
+        return (f"job {self.job_id} (request {self.request_id or '-'}, "
+                f"key {self.key or '-'})")
 
 
 @dataclasses.dataclass
@@ -222,7 +245,8 @@ class Ledger:
 
         The idle worker that holds the longest run of the prompt's prefix
         blocks (live or cached) wins; among equals, the least recently used
-        one. A busy holder is never waited for.
+        one. A busy holder is never waited for, and a worker whose claims
+        failed counts as holding nothing (``cache_claims``).
         """
         if job_id in self.jobs:
             raise ValueError(f"duplicate job id {job_id!r}")
@@ -233,7 +257,7 @@ class Ledger:
             return None
         blocks = prefix_blocks or []
         if self.prefer_prefix:
-            slot = min(idle, key=lambda w: (-held_blocks(w.cached_blocks, blocks),
+            slot = min(idle, key=lambda w: (-w.routing_blocks(blocks),
                                             w.idle_since))
         else:
             slot = min(idle, key=lambda w: w.idle_since)
@@ -258,7 +282,8 @@ class Ledger:
 
     def _lease(self, slot: WorkerSlot, job_id: str, frontend: bytes, now: float,
                blocks: list) -> WorkerSlot:
-        slot.shared_blocks_at_assign = held_blocks(slot.cached_blocks, blocks)
+        claimed = held_blocks(slot.cached_blocks, blocks)
+        slot.shared_blocks_at_assign = slot.routing_blocks(blocks)
         # The prompt is about to be the worker's live sequence; its next
         # CACHE_REPORT (sent before the job's terminal frame) says exactly.
         # A worker that never reports (the synthetic engine) holds just the
@@ -273,7 +298,8 @@ class Ledger:
         slot.progress = None
         slot.progress_at = None
         self.jobs[job_id] = Job(job_id, frontend, slot.identity, now,
-                                tag=messages.job_id_tag(job_id))
+                                tag=messages.job_id_tag(job_id),
+                                claimed_blocks=claimed)
         return slot
 
     def record_cache_report(self, slot: WorkerSlot,

@@ -91,6 +91,19 @@ class PoolCollector:
                       "Workers dropped for showing no sign of a job in time "
                       "(--first-frame-timeout-s); each job got an error",
                       counters.worker_unresponsive)
+        yield counter("llamapool_broker_cancel_timeouts_total",
+                      "Workers dropped for not ending a cancelled job within "
+                      "--cancel-timeout-s (stuck in native code); each ends "
+                      "its own process",
+                      counters.worker_cancel_timeouts)
+        yield counter("llamapool_broker_cache_claims_failed_total",
+                      "Jobs placed by a worker's cache claim that then reused "
+                      "less than it claimed",
+                      counters.cache_claims_failed)
+        yield counter("llamapool_broker_workers_distrusted_total",
+                      "Times a worker's cache claims stopped steering routing "
+                      "after they failed",
+                      counters.workers_distrusted)
         yield counter("llamapool_broker_frontends_send_full_total",
                       "Frontends dropped because they did not read what the "
                       "broker sent (their send queue was full)",

@@ -16,6 +16,7 @@ the default (``protocol.settings.load``). Every default is documented here:
 | LLAMAPOOL_BROKER_METRICS_PORT        | 0          | port for own /metrics (0: off)   |
 | LLAMAPOOL_MAX_WORKERS                | 1024       | more registrations are refused   |
 | LLAMAPOOL_FIRST_FRAME_TIMEOUT_S      | 30.0       | job fails if its worker is mute  |
+| LLAMAPOOL_CANCEL_TIMEOUT_S           | 30.0       | stuck cancel: worker dropped     |
 | LLAMAPOOL_STEP_DOWN_WAIT_S           | 0.25       | SUBMIT waits for step-downs      |
 | LLAMAPOOL_ROUTING                    | prefix     | prefix or lru (see below)        |
 
@@ -39,6 +40,20 @@ GIL), so it shows the job within about one heartbeat interval however slow
 the prefill; 30 s is thirty of those. A worker that stays silent on the job
 loses it (its frontend gets ERROR ``worker_unresponsive``, not a hang) and is
 dropped from the ledger with DISCONNECT.
+
+``cancel_timeout_s``: a job its frontend cancelled (or whose frontend is
+gone) must end within this time. A real worker ends a cancelled job at its
+next token, so a worker still ``cancelling`` after it is stuck in native
+code (issue 29: one grammar-bound token took minutes): it is dropped from
+the ledger with DISCONNECT, its slot no longer counted until it registers
+again, and the worker, which keeps the same deadline
+(``LLAMAPOOL_CANCEL_TIMEOUT_S`` is read by both), ends its own process so
+that ``llamapool up`` or systemd starts a fresh one. 30 s is thirty
+heartbeats: far above a token's time on any model the pool runs, and above
+the prefill of a full 2048-token context at 100 tokens/s, the one stretch
+that llama.cpp runs with no cancel check (raise it for long contexts on
+slow CPUs: a worker cancelled mid-prefill past it is restarted, which costs
+its reload and its RAM prompt cache, not a client's answer).
 
 ``step_down_wait_s``: with ``--threads auto`` workers, a new job's SUBMIT
 waits until the running workers on its host confirm they use fewer threads,
@@ -113,6 +128,10 @@ class BrokerSettings:
     first_frame_timeout_s: float = setting(
         30.0, "LLAMAPOOL_FIRST_FRAME_TIMEOUT_S", "job fails if its worker is mute",
         flag="--first-frame-timeout-s", parse=positive_float)
+    cancel_timeout_s: float = setting(
+        timing.CANCEL_TIMEOUT_S, "LLAMAPOOL_CANCEL_TIMEOUT_S",
+        "stuck cancel: worker dropped",
+        flag="--cancel-timeout-s", parse=positive_float)
     step_down_wait_s: float = setting(
         0.25, "LLAMAPOOL_STEP_DOWN_WAIT_S", "SUBMIT waits for step-downs",
         flag="--step-down-wait-s", parse=non_negative_float)

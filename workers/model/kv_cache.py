@@ -12,6 +12,11 @@ SWA cache has already evicted what the suffix would attend to do we clear
 everything. The caller then runs ``generate(plan.tokens, reset=plan.reset)``.
 
 Sequence id 0 is the only one ``Llama`` uses.
+
+Tokens say nothing of whose prompt they were: the tenant check comes first,
+in ``prompt_reuse.PromptReuse.prepare``, which passes ``reuse=False`` here
+for a prompt of another tenant than the live sequence's (issue 29), so that
+sequence is cleared, never extended.
 """
 
 from __future__ import annotations

@@ -203,8 +203,10 @@ class LlamaEngine:
     def _generate(self, request: GenerationRequest, sink: JobSink,
                   prompt: list[int], extra_stops: list[str], max_tokens: int,
                   logits: RequestLogits, started: float) -> GenerationResult:
-        # cache_prompt false (llama.cpp's native field): nothing reused.
-        plan = self.reuse.prepare(prompt, reuse=request.cache_prompt)
+        # cache_prompt false (llama.cpp's native field): nothing reused; and
+        # only the request's own tenant's prompts ever are (issue 29).
+        plan = self.reuse.prepare(prompt, reuse=request.cache_prompt,
+                                  tenant=request.cache_tenant)
         self._follow_thread_budget(sink)
         loop = TokenLoop(sink, started=started, n_prompt=len(prompt),
                          max_tokens=max_tokens, stops=request.stop + extra_stops,

@@ -11,8 +11,12 @@ shares the longest prefix with it, if that beats what is already loaded.
 Bounded by bytes (``--cache-ram``), least recently used out first. The cache
 lives in the process's memory, so a restarted worker starts empty, and every
 state carries the identity of the model that made it: a state is never
-restored into another model. This module does the bookkeeping only; the
-llama.cpp calls are in ``workers.model.llama_engine``.
+restored into another model. It also carries its tenant
+(``GenerationRequest.cache_tenant``): only a prompt of the same tenant finds
+it, supersedes it or is told it is held, so no API key learns from
+``cached_tokens`` or timing whether another key sent a prompt (issue 29).
+This module does the bookkeeping only; the llama.cpp calls are in
+``workers.model.prompt_reuse``.
 """
 
 from __future__ import annotations
@@ -43,13 +47,17 @@ class CachedState:
     tokens: np.ndarray
     data: bytes
     model_id: str
-    #: ``protocol.prefix`` fingerprints of ``tokens``, for CACHE_REPORT.
+    #: ``protocol.prefix`` fingerprints of ``tokens`` in ``tenant``'s scope,
+    #: for CACHE_REPORT.
     blocks: tuple[int, ...]
     #: CRC32 of ``data`` when saved. llama.cpp checks a state's layout, not
     #: its contents: damaged KV bytes load without complaint and the model
     #: then continues from a wrong cache (tried: 64 flipped bytes in the
     #: middle of a state were restored as 167 cached tokens).
     crc32: int = 0
+    #: Whose prompt this was ("": the pool's shared scope); reused only for
+    #: the same tenant.
+    tenant: str = ""
 
     def intact(self) -> bool:
         return zlib.crc32(self.data) == self.crc32
@@ -98,8 +106,10 @@ class PromptStateCache:
 
     # --- lookups ---
 
-    def longest_prefix(self, prompt: Sequence[int]) -> tuple[int | None, int]:
-        """The cached state sharing the most leading tokens with ``prompt``.
+    def longest_prefix(self, prompt: Sequence[int], tenant: str = ""
+                       ) -> tuple[int | None, int]:
+        """The state of ``tenant`` sharing the most leading tokens with
+        ``prompt``; another tenant's states are not looked at.
 
         Returns:
             (key, shared tokens), or (None, 0) when nothing shares any.
@@ -113,6 +123,8 @@ class PromptStateCache:
         # costs one comparison in the job's time to first token, not one per
         # state.
         for key, state in reversed(self._states.items()):
+            if state.tenant != tenant:
+                continue
             n = common_prefix(state.tokens, arr)
             if n > best_n:
                 best_key, best_n = key, n
@@ -120,13 +132,13 @@ class PromptStateCache:
                     break
         return best_key, best_n
 
-    def holds(self, tokens: Sequence[int]) -> bool:
-        """Whether a cached state starts with all of ``tokens``: saving them
-        again would only copy it (the same prompt sent again finds its last
-        reply in the KV cache). That state counts as just used."""
+    def holds(self, tokens: Sequence[int], tenant: str = "") -> bool:
+        """Whether a state of ``tenant`` starts with all of ``tokens``: saving
+        them again would only copy it (the same prompt sent again finds its
+        last reply in the KV cache). That state counts as just used."""
         arr = np.asarray(tokens, dtype=np.intc)
         for key, state in reversed(self._states.items()):  # mostly the last saved
-            if (len(state.tokens) >= len(arr)
+            if (state.tenant == tenant and len(state.tokens) >= len(arr)
                     and common_prefix(state.tokens, arr) == len(arr)):
                 self._states.move_to_end(key)
                 return True
@@ -146,12 +158,14 @@ class PromptStateCache:
 
     # --- changes ---
 
-    def put(self, tokens: Sequence[int], data: bytes) -> bool:
-        """Keep a state; evict the least recently used ones to fit.
+    def put(self, tokens: Sequence[int], data: bytes, tenant: str = "") -> bool:
+        """Keep ``tenant``'s state; evict the least recently used ones to fit
+        (of any tenant: the bytes are the worker's).
 
         A state larger than the whole limit is refused (``dropped``). A
-        cached state whose tokens are a prefix of ``tokens`` is superseded
-        (the new one serves everything it served) and removed.
+        cached state of the same tenant whose tokens are a prefix of
+        ``tokens`` is superseded (the new one serves everything it served)
+        and removed.
 
         Returns:
             Whether the state was kept.
@@ -159,12 +173,13 @@ class PromptStateCache:
         arr = np.asarray(tokens, dtype=np.intc).copy()
         data = bytes(data)
         state = CachedState(arr, data, self.model_id,
-                            tuple(prefix_blocks(arr.tolist())), zlib.crc32(data))
+                            tuple(prefix_blocks(arr.tolist(), tenant)),
+                            zlib.crc32(data), tenant)
         if not self.enabled or state.n_bytes > self.limit_bytes:
             self.dropped += 1
             return False
         for key in [k for k, s in self._states.items()
-                    if len(s.tokens) <= len(arr)
+                    if s.tenant == tenant and len(s.tokens) <= len(arr)
                     and common_prefix(s.tokens, arr) == len(s.tokens)]:
             self.take(key)
         while self._states and self.bytes_used + state.n_bytes > self.limit_bytes:

@@ -11,6 +11,15 @@ new conversation mostly finds the one it displaces saved in idle time, not
 in its own time to first token. Then ``kv_cache.plan_reuse`` trims the KV
 cache exactly as it did before there was a cache.
 
+Reuse is scoped to a tenant (``GenerationRequest.cache_tenant``, issue 29).
+The live sequence's tenant is kept here (``live_tenant``) and every saved
+state carries its own; a prompt reuses only its own tenant's. Another
+tenant's live sequence is saved (as that tenant's) and then cleared, never
+extended, and its saved states are not even compared, so ``cached_tokens``,
+``timings.cache_n`` and the time to first token are those of a cold prompt:
+one key cannot learn whether another sent the same prefix, whatever slot
+it asks for (``id_slot``).
+
 States are per sequence (``llama_state_seq_get_data`` / ``set_data`` on
 sequence 0): the KV cells only. The whole-context ``Llama.save_state`` also
 copies the logits of every batch position (n_batch x n_vocab floats, 512 MB
@@ -42,11 +51,14 @@ class PromptReuse:
     def __init__(self, llama: llama_cpp.Llama, cache: PromptStateCache) -> None:
         self.llama = llama
         self.cache = cache
+        #: Whose prompt the live KV sequence holds ("": the shared scope, or
+        #: nothing loaded).
+        self.live_tenant = ""
 
     # --- the decision ---
 
-    def prepare(self, prompt: Sequence[int], reuse: bool = True
-                ) -> kv_cache.ReusePlan:
+    def prepare(self, prompt: Sequence[int], reuse: bool = True,
+                tenant: str = "") -> kv_cache.ReusePlan:
         """Load the best starting state for ``prompt`` and trim the KV cache.
 
         Args:
@@ -54,12 +66,16 @@ class PromptReuse:
             reuse: False: start from an empty cache whatever is there
                 (the live sequence is still saved first). A request flag such
                 as llama.cpp's ``cache_prompt: false`` maps to this.
+            tenant: Whose prompt it is (``GenerationRequest.cache_tenant``):
+                only this tenant's live sequence or saved states are reused,
+                and the sequence is this tenant's from here on.
 
         Returns:
             ``kv_cache.plan_reuse``'s plan: the suffix to evaluate.
         """
-        live = kv_cache.reusable_prefix(self.llama, prompt) if reuse else 0
-        key, stored = (self.cache.longest_prefix(prompt) if reuse
+        own_live = reuse and tenant == self.live_tenant
+        live = kv_cache.reusable_prefix(self.llama, prompt) if own_live else 0
+        key, stored = (self.cache.longest_prefix(prompt, tenant) if reuse
                        else (None, 0))
         # The last prompt token is always evaluated again.
         stored = min(stored, len(prompt) - 1)
@@ -69,14 +85,17 @@ class PromptReuse:
         # What of the live sequence survives this job: worth a saved state
         # when it loses at least a block (not the few tokens by which a
         # chat turn's re-rendered reply differs from the generated one).
-        surviving = 0 if use_stored or not reuse else live
+        surviving = 0 if use_stored or not own_live else live
         live_len = self.live_length()
         if self.cache.enabled and live_len - surviving >= MIN_STATE_TOKENS:
-            self._save_live(live_len)
-        restored = use_stored and self._restore(key)
-        if not reuse:
+            self._save_live(live_len)  # as the live sequence's own tenant's
+        restored = use_stored and self._restore(key, tenant)
+        if not restored and not own_live:
+            # Not extended: another tenant's tokens (or, with cache_prompt
+            # false, anyone's) must not serve a single position of this one.
             self._clear()
-        plan = kv_cache.plan_reuse(self.llama, prompt)
+        self.live_tenant = tenant
+        plan = kv_cache.plan_reuse(self.llama, prompt, reuse=own_live or restored)
         if restored and plan.cached_tokens > live:
             self.cache.hits += 1
         elif (self.cache.enabled and len(prompt) > MIN_STATE_TOKENS
@@ -109,7 +128,7 @@ class PromptReuse:
         """Save the first ``n`` tokens' state; True if it was added."""
         # A save copies the whole KV state (6.5 ms for 128 tokens of Gemma):
         # not for a copy of a copy.
-        if self.cache.holds(self.llama.input_ids[:n]):
+        if self.cache.holds(self.llama.input_ids[:n], self.live_tenant):
             return False
         mem = llama_internals.memory(self.llama)
         # An SWA cache that already evicted the start of the sequence
@@ -129,16 +148,16 @@ class PromptReuse:
             self.cache.dropped += 1
             return False
         return self.cache.put(self.llama.input_ids[:n],
-                              ctypes.string_at(buf, written))
+                              ctypes.string_at(buf, written), self.live_tenant)
 
-    def _restore(self, key: int) -> bool:
-        """Load a saved state as the live sequence; False (and an empty KV
-        cache) if it cannot be used, which then is dropped."""
+    def _restore(self, key: int, tenant: str) -> bool:
+        """Load ``tenant``'s saved state as the live sequence; False (and an
+        empty KV cache) if it cannot be used, which then is dropped."""
         state = self.cache.take(key)
         if state is None:
             return False
         n = len(state.tokens)
-        ok = (state.model_id == self.cache.model_id
+        ok = (state.model_id == self.cache.model_id and state.tenant == tenant
               and n <= len(self.llama.input_ids) and state.intact())
         if ok:
             self._clear()
@@ -160,6 +179,7 @@ class PromptReuse:
     def clear_live(self) -> None:
         """Empty the live sequence without saving it (after a warm-up)."""
         self._clear()
+        self.live_tenant = ""
 
     def _clear(self) -> None:
         mem = llama_internals.memory(self.llama)
@@ -172,5 +192,6 @@ class PromptReuse:
     def reported_blocks(self) -> list[list[int]]:
         """Fingerprints of the live sequence, then of the saved states."""
         live = self.live_length()
-        live_blocks = prefix_blocks(np.asarray(self.llama.input_ids[:live]).tolist())
+        live_blocks = prefix_blocks(np.asarray(self.llama.input_ids[:live]).tolist(),
+                                    self.live_tenant)
         return [live_blocks, *self.cache.reported_blocks()]

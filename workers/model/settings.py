@@ -22,6 +22,7 @@ worker process does. Every default is documented here:
 | LLAMAPOOL_CREDIT_WINDOW_FRAMES | 256         | TOKEN frames before a pause       |
 | LLAMAPOOL_STALL_TIMEOUT_S      | 60.0        | paused job cancelled after        |
 | LLAMAPOOL_SHUTDOWN_GRACE_S     | 30.0        | after SIGTERM, the job may finish |
+| LLAMAPOOL_CANCEL_TIMEOUT_S     | 30.0        | stuck cancel: process exits (8)   |
 | LLAMAPOOL_WORKER_NAME          | (host:pid)  | name in logs and /slots           |
 | LLAMAPOOL_CURVE_SERVER_KEY     | (none)      | the broker's public .key (CURVE)  |
 | LLAMAPOOL_CURVE_SECRET_KEY     | (none)      | own .key_secret (CURVE)           |
@@ -132,6 +133,13 @@ class WorkerSettings:
     shutdown_grace_s: float = setting(
         30.0, "LLAMAPOOL_SHUTDOWN_GRACE_S", "after SIGTERM, the job may finish",
         flag="--shutdown-grace-s", parse=non_negative_float)
+    #: A job cancelled this long ago and not ended holds the process in
+    #: native code: it exits (``worker_phase.CANCEL_TIMEOUT_EXIT``) for its
+    #: supervisor to start a fresh one (the broker keeps the same deadline).
+    cancel_timeout_s: float = setting(
+        timing.CANCEL_TIMEOUT_S, "LLAMAPOOL_CANCEL_TIMEOUT_S",
+        "stuck cancel: process exits (8)",
+        flag="--cancel-timeout-s", parse=positive_float)
     worker_name: str = setting(
         "", "LLAMAPOOL_WORKER_NAME", "name in logs and /slots", shown="(host:pid)",
         flag="--worker-name")

@@ -7,6 +7,19 @@ the job the broker believes we run, the thread budget (``--threads auto``),
 the move to another broker and the shutdown grace. It hands each SUBMIT to
 the ``JobRunner`` and forwards what the runner sends back, each message
 tagged with its job (``Outgoing``).
+
+Two things only this thread can do, because the main thread may be stuck in
+one native call (a decode that never returns: issue 29's exploding grammar)
+where no Python code runs and SIGTERM is never seen:
+
+* the cancel deadline: a job told to cancel (by the broker, by the broker's
+  loss, or by the end of the shutdown grace) that has not ended within
+  ``--cancel-timeout-s`` is stuck, and the link ends the whole process
+  (``os._exit(CANCEL_TIMEOUT_EXIT)``, which takes the stuck thread with it),
+  for ``llamapool up`` or systemd to start a fresh one;
+* a SUBMIT that does not decode (a broker of another version, or one that
+  lies) is answered with ERROR ``unreadable_job`` when its job id can be
+  read, so the broker does not wait out its first-frame deadline.
 """
 
 from __future__ import annotations
@@ -19,11 +32,13 @@ import time
 
 import zmq
 
-from protocol import messages
+from protocol import limits, messages
 from protocol.curve import ClientKeys
 from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, StopSignal
 from protocol.link import BrokerConnection, LinkHandler
+from protocol.log_throttle import LogThrottle
+from protocol.worker_phase import CANCEL_TIMEOUT_EXIT
 from workers.model.active_job import ActiveJob, Outgoing, ThreadBudget
 from workers.model.broker_choice import BrokerChoice
 from workers.model.job_runner import JobRunner
@@ -117,6 +132,11 @@ class WorkerLink(LinkHandler):
         #: The job the broker believes we run: set by SUBMIT, cleared when its
         #: terminal frame goes out, so that READY never overtakes that frame.
         self._job: ActiveJob | None = None
+        #: When the current job was first told to cancel (monotonic); None
+        #: while it was not. Its deadline: ``settings.cancel_timeout_s``.
+        self._cancelled_at: float | None = None
+        #: Lines a broker's messages cause, at a bounded rate.
+        self._log = LogThrottle(log)
         self._registration = Registration(
             settings.heartbeat_interval_s * settings.heartbeat_liveness
         )
@@ -180,7 +200,33 @@ class WorkerLink(LinkHandler):
                 self.connection.stop()
             elif now >= self._grace_deadline:
                 self._job.ended_by_shutdown = True
-                self._job.cancel()
+                self._cancel_job()
+        self._end_if_stuck(now)
+
+    def _cancel_job(self) -> None:
+        """Tell the current job to stop; its cancel deadline starts now, the
+        first time."""
+        self._job.cancel()
+        if self._cancelled_at is None:
+            self._cancelled_at = time.monotonic()
+
+    def _end_if_stuck(self, now: float) -> None:
+        """End the process if the current job was told to cancel more than
+        ``cancel_timeout_s`` ago. A job checks its cancel at every token, so
+        it is stuck in one native call, where SIGTERM never reaches Python
+        either; ``os._exit`` ends every thread, that one too."""
+        if (self._job is None or self._cancelled_at is None
+                or now - self._cancelled_at < self.settings.cancel_timeout_s):
+            return
+        log.critical(
+            "job %s was told to cancel %.1fs ago and has not ended: its thread "
+            "is stuck in native code (--cancel-timeout-s %.1f); ending this "
+            "worker process (exit %d) so that a fresh one takes its place",
+            self._job.job_id, now - self._cancelled_at,
+            self.settings.cancel_timeout_s, CANCEL_TIMEOUT_EXIT)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(CANCEL_TIMEOUT_EXIT)
 
     def heartbeat(self, now: float) -> messages.Message:
         self._sd.watchdog(now)
@@ -212,6 +258,7 @@ class WorkerLink(LinkHandler):
             current = job is self._job
             if current and isinstance(msg, messages.TERMINAL):
                 self._job = None  # READY may go out again, after this frame
+                self._cancelled_at = None
             return current and not job.orphaned
         if isinstance(msg, messages.ThreadsSet):
             return True
@@ -231,7 +278,7 @@ class WorkerLink(LinkHandler):
             self._on_threads(msg)
         elif isinstance(msg, messages.Cancel):
             if job is not None and job.job_id == msg.job_id:
-                job.cancel()
+                self._cancel_job()
         elif isinstance(msg, messages.Credit):
             if job is not None and job.job_id == msg.job_id:
                 job.add_credit(msg.frames)
@@ -259,7 +306,25 @@ class WorkerLink(LinkHandler):
 
         job = ActiveJob(msg, send, self.settings, lambda: self._thread_budget)
         self._job = job
+        self._cancelled_at = None
         self._runner.submit(job)
+
+    def on_malformed(self, error: messages.MalformedMessage,
+                     frames: list[bytes]) -> None:
+        """A SUBMIT we cannot decode (an unknown chat role from a broker of
+        a newer version, an 8 MB body from one that lies) still names its
+        job: answer ERROR, so the broker frees the slot and tells the
+        client at once instead of after its first-frame deadline."""
+        job_id = messages.claimed_job_id(frames, (messages.Submit,))
+        if job_id is None:
+            return  # nothing names the job: dropped (and counted by the link)
+        self._log.warning(
+            "unreadable submit", "the SUBMIT of job %s does not decode (%s); "
+            "answered ERROR", job_id[:limits.MAX_ID_CHARS], str(error)[:200])
+        self.connection.send(messages.Error(
+            job_id, ErrorCode.UNREADABLE_JOB,
+            f"the model worker could not read the job: {error}"[
+                :limits.MAX_REASON_CHARS]))
 
     def _on_threads(self, msg: messages.Threads) -> None:
         if self._thread_budget is None:
@@ -291,4 +356,4 @@ class WorkerLink(LinkHandler):
     def _orphan_job(self) -> None:
         if self._job is not None:
             self._job.orphaned = True
-            self._job.cancel()
+            self._cancel_job()
