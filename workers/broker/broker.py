@@ -41,11 +41,11 @@ from protocol import curve, limits, messages, timing
 from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from protocol.log_throttle import LogThrottle
-from protocol.payloads import EMBEDDING, PoolStatus
+from protocol.payloads import PoolStatus
 from protocol.prefix import MAX_BLOCKS
 from protocol.zmq_frames import recv_frames, waiting
-from workers.broker import cache_claims
 from workers.broker import ledger as ledger_mod
+from workers.broker.cache_claims import ClaimChecks
 from workers.broker.counters import BrokerCounters
 from workers.broker.expiry import MuteJobs, StuckCancels, StuckFrontends
 from workers.broker.job_relay import JobRelay
@@ -107,6 +107,7 @@ class Broker:
         self.relay = JobRelay(self)
         self.step_down = ThreadStepDown(self)
         self.stuck_frontends = StuckFrontends(self)
+        self.claim_checks = ClaimChecks(self)
         #: Heard at every heartbeat, in this order, after the ledger's
         #: liveness expiry.
         self._on_beat: list[Callable[[float], None]] = [
@@ -339,10 +340,7 @@ class Broker:
             self.counters.routed_by_prefix += 1
         job = self.ledger.jobs[msg.job_id]
         job.request_id, job.key = msg.request_id, msg.key
-        # Reuse is what a FINAL's cached_tokens measures: not for an
-        # embedding, nor for a request that asked for none.
-        job.check_claim = (msg.request.kind != EMBEDDING
-                           and msg.request.cache_prompt)
+        self.claim_checks.on_assign(job, msg)
         if (not self.step_down.on_assign(msg.job_id, slot.identity, raw, now)
                 and not self.to_worker(slot.identity, raw)):
             # The worker vanished between its last beat and now.
@@ -425,32 +423,11 @@ class Broker:
         self.ledger.finish(job.job_id, now)
         self.stats.job_ended(msg, job.cancel_requested_at, now)
         slot = self.ledger.workers.get(job.worker)
-        if (slot is not None and job.claimed_blocks and job.check_claim
-                and isinstance(msg, messages.Final) and cache_claims.checkable(msg)):
-            self._check_claim(slot, job, msg.usage.cached_tokens)
+        self.claim_checks.on_finish(slot, job, msg)
         if slot is not None and slot.draining:
             self.ledger.remove_worker(job.worker)
         self.counters.finished += 1
         self.step_down.on_finish(job.worker)
-
-    def _check_claim(self, slot: ledger_mod.WorkerSlot, job: ledger_mod.Job,
-                     cached_tokens: int) -> None:
-        """Score the claim that placed (or could have placed) ``job`` on its
-        worker by what the worker reused (``workers.broker.cache_claims``)."""
-        kept = cache_claims.claim_kept(job.claimed_blocks, cached_tokens)
-        if kept:
-            self.counters.cache_claims_kept += 1
-        else:
-            self.counters.cache_claims_failed += 1
-        if slot.claims.record(kept):
-            self.counters.workers_distrusted += 1
-            self.log.warning(
-                "claims distrusted", "worker's cache claims failed: slot=%d "
-                "pid=%d host=%s claimed %d blocks of %s and reused %d tokens "
-                "(%d of its claims failed, %d kept); its claims steer no "
-                "routing until it keeps them", slot.slot_id, slot.info.pid,
-                slot.info.host, job.claimed_blocks, job.named(), cached_tokens,
-                slot.claims.failed, slot.claims.kept)
 
     def fail_job(self, job: ledger_mod.Job, code: ErrorCode, message: str) -> None:
         """End a job the broker can no longer run: ERROR to its frontend."""

@@ -36,9 +36,15 @@ The rule, per worker (``ClaimTrust``):
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from protocol import messages
+from protocol.payloads import EMBEDDING
 from protocol.prefix import BLOCK_TOKENS
+
+if TYPE_CHECKING:
+    from workers.broker.broker import Broker
+    from workers.broker.ledger import Job, WorkerSlot
 
 START_SCORE = 2
 FAILED_CLAIM_COST = 2
@@ -80,3 +86,40 @@ class ClaimTrust:
 def checkable(final: messages.Final) -> bool:
     """Whether a FINAL's usage can check a claim (not a cancelled job)."""
     return final.finish_reason != messages.FinishReason.CANCELLED
+
+
+class ClaimChecks:
+    """The broker's policy: note at assignment which jobs can check their
+    worker's claim, and score the claim when the job ends."""
+
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+
+    @staticmethod
+    def on_assign(job: Job, submit: messages.Submit) -> None:
+        # Reuse is what a FINAL's cached_tokens measures: not for an
+        # embedding, nor for a request that asked for none.
+        job.check_claim = (submit.request.kind != EMBEDDING
+                           and submit.request.cache_prompt)
+
+    def on_finish(self, slot: WorkerSlot | None, job: Job,
+                  msg: messages.Message) -> None:
+        if (slot is None or not job.claimed_blocks or not job.check_claim
+                or not isinstance(msg, messages.Final) or not checkable(msg)):
+            return
+        b = self._broker
+        cached_tokens = msg.usage.cached_tokens
+        kept = claim_kept(job.claimed_blocks, cached_tokens)
+        if kept:
+            b.counters.cache_claims_kept += 1
+        else:
+            b.counters.cache_claims_failed += 1
+        if slot.claims.record(kept):
+            b.counters.workers_distrusted += 1
+            b.log.warning(
+                "claims distrusted", "worker's cache claims failed: slot=%d "
+                "pid=%d host=%s claimed %d blocks of %s and reused %d tokens "
+                "(%d of its claims failed, %d kept); its claims steer no "
+                "routing until it keeps them", slot.slot_id, slot.info.pid,
+                slot.info.host, job.claimed_blocks, job.named(), cached_tokens,
+                slot.claims.failed, slot.claims.kept)
