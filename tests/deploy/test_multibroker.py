@@ -36,6 +36,7 @@ from tests.deploy.netns import Lan, NetnsExecutor, namespaces_work
 from tests.deploy.test_multihost import (
     FRONTEND_PORT,
     HEARTBEAT,
+    LONG,
     PausedStream,
     _healthy,
     _retrying_complete_slot,
@@ -46,7 +47,6 @@ from tests.system_tools import unavailable
 pytestmark = pytest.mark.stack
 
 WINDOW_S = 0.6  # 3 missed beats of 0.2 s
-LONG = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
 
 
 class TwoBrokerLan:

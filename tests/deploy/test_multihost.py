@@ -41,6 +41,9 @@ pytestmark = pytest.mark.stack
 HEARTBEAT = ["--heartbeat-interval-s", "0.2", "--heartbeat-liveness", "3"]
 DEAD_AFTER_S = 0.6  # 3 missed beats of 0.2 s
 FRONTEND_PORT = 8080
+# Long enough that the socket buffers and the credit window cannot hold the
+# whole stream before a fault: 400 tokens could, and a stream the test meant
+# to cut had already ended "done".
 LONG = {"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
 
 
