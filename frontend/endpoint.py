@@ -5,7 +5,9 @@
 same way, and once each wrote it out by hand. ``JobEndpoint.on_post`` is now
 the one copy, in the order in which its errors win:
 
-1. the body, bounded (``read_json_body``: 413, or 400 for bad JSON);
+1. the body, bounded (``read_json_body``: 413, or 400 for bad JSON),
+   and a client that has already left (``frontend.client_socket``: the
+   answer is a 499 nobody reads), checked again before step 5;
 2. ``parse``: the endpoint's own parser (400 naming the field);
 3. ``admit``: the prompt gate, which counts the prompt's tokens at the door
    (400 for one that cannot fit) and says what is submitted (a
@@ -38,6 +40,8 @@ import falcon
 
 from frontend.auth import presented_key
 from frontend.cache_scope import CacheScope
+from frontend.client_socket import client_gone
+from frontend.errors import ClientGone
 from frontend.generation import collect, start_job
 from frontend.interfaces import BrokerClient, JobOrigin, Shaper
 from frontend.job import Job
@@ -113,10 +117,14 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json_body(req, self.settings.max_body_bytes)
+        # The door's checks (a grammar's, the prompt's tokens) and a SUBMIT
+        # are spent only on a client that is still there.
+        self.refuse_if_gone(req)
         submission = self.scoped(req, self.admit(self.parse(body), body))
         record: RequestRecord = req.context.record
         record.stream = submission.stream
         record.key_suffix = req.context.get("key_suffix", "-")
+        self.refuse_if_gone(req)
         job = self.submit(submission, record, resp)
         try:
             self.respond(req, resp, submission, job)
@@ -143,6 +151,11 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
         response body, or read it to its end."""
 
     # --- the pipeline's own steps -----------------------------------------------
+
+    @staticmethod
+    def refuse_if_gone(req: falcon.Request) -> None:
+        if client_gone(req):
+            raise ClientGone()
 
     def gated(self, generation: GenerationRequest) -> GenerationRequest:
         """``generation`` with its prompt tokens (``PromptGate.check``), or as

@@ -165,6 +165,20 @@ class MisdirectedRequest(ApiError):
             "it to --allowed-hosts (LLAMAPOOL_ALLOWED_HOSTS)")
 
 
+class ClientGone(ApiError):
+    """The client closed its connection before its job was started: no
+    slot is taken and nothing is submitted (``frontend.client_socket``).
+    Nobody reads the answer; nginx's 499 names it in logs."""
+
+    status = 499
+    reject_reason = "client_gone"
+    type = "invalid_request_error"
+    code = "client_gone"
+
+    def __init__(self) -> None:
+        super().__init__("the client closed the connection")
+
+
 class PoolError(ApiError):
     """A failure of the pool, named by its domain code; status and type come
     from ``HTTP_FORMS``. The body's ``code`` is that name."""

@@ -15,6 +15,12 @@ unbounded work:
   item): ``{"maxItems": 10**9}`` would build a string of gigabytes. Every such
   count is limited, and so is their sum, the schema's nesting depth and the
   grammar's size.
+* llama.cpp's grammar engine keeps a parse stack per way of reaching the
+  next terminal, and walks all of them for every token; nested optional
+  rules make 2^depth of them from a few hundred bytes, inside one C call
+  that cannot be interrupted. The count is bounded from the rules before
+  llama.cpp sees a grammar, and followed token by token in the worker
+  (``workers.model.grammar_stacks``).
 * The grammar is applied outside llama-cpp-python's sampler chain. In the
   chain, a grammar that admits no token (a logit bias or ``ignore_eos`` that
   bans every token it allows, or a grammar that needs a NUL byte) makes the
@@ -33,6 +39,14 @@ from typing import Any
 import llama_cpp
 import numpy as np
 from llama_cpp import llama_grammar
+
+from workers.model.gbnf_parse import GbnfSyntaxError, ParsedGrammar, parse_gbnf
+from workers.model.grammar_stacks import (
+    MAX_GRAMMAR_STACKS,
+    GrammarRefused,
+    LiveStacks,
+    worst_stacks,
+)
 
 #: Largest repetition count (``maxItems``, ``maxLength``, ``{n,m}``) a schema
 #: may ask for; llama.cpp's own GBNF parser refuses more than 2000.
@@ -114,7 +128,7 @@ def schema_to_gbnf(schema: Any) -> str:
         raise GrammarError("the schema is too deeply nested") from None
     except Exception as exc:  # the converter asserts and raises freely
         raise GrammarError(f"unsupported schema: {str(exc)[:200]}") from None
-    _free(_compile(gbnf, None))
+    _free(_compile(gbnf, None)[0])
     return gbnf
 
 
@@ -128,7 +142,7 @@ def check_gbnf(gbnf: str, vocab: ctypes.c_void_p | None = None) -> None:
     if len(gbnf) > MAX_GIVEN_GRAMMAR_CHARS:
         raise GrammarError(f"the grammar is longer than {MAX_GIVEN_GRAMMAR_CHARS} "
                            "characters")
-    _free(_compile(gbnf, vocab))
+    _free(_compile(gbnf, vocab)[0])
 
 
 def grammar_nesting(gbnf: str) -> int:
@@ -155,7 +169,26 @@ def grammar_nesting(gbnf: str) -> int:
     return deepest
 
 
-def _compile(gbnf: str, vocab: ctypes.c_void_p | None) -> ctypes.c_void_p:
+def _bounded(gbnf: str, token_id: Any = None) -> ParsedGrammar:
+    """The grammar's rules, once its parse stacks are known to stay within
+    ``MAX_GRAMMAR_STACKS``."""
+    try:
+        parsed = parse_gbnf(gbnf, token_id)
+        worst = worst_stacks(parsed)
+    except GbnfSyntaxError as exc:
+        raise GrammarError(f"the grammar does not parse: {exc}") from None
+    except GrammarRefused as exc:
+        raise GrammarError(f"unsupported grammar: {exc}") from None
+    if worst > MAX_GRAMMAR_STACKS:
+        raise GrammarError(
+            f"the grammar can keep more than {MAX_GRAMMAR_STACKS} parse stacks "
+            "at once (nested optional or repeated rules), and llama.cpp walks "
+            "every one for every token; nest fewer optional items")
+    return parsed
+
+
+def _compile(gbnf: str, vocab: ctypes.c_void_p | None,
+             token_id: Any = None) -> tuple[ctypes.c_void_p, ParsedGrammar]:
     if not gbnf.strip():
         raise GrammarError("the grammar is empty")
     if len(gbnf) > MAX_GRAMMAR_CHARS:
@@ -166,12 +199,24 @@ def _compile(gbnf: str, vocab: ctypes.c_void_p | None) -> ctypes.c_void_p:
     if grammar_nesting(gbnf) > MAX_GRAMMAR_NESTING:
         raise GrammarError("the grammar nests parentheses deeper than "
                            f"{MAX_GRAMMAR_NESTING}")
+    parsed = _bounded(gbnf, token_id)  # before llama.cpp builds its stacks
     sampler = llama_cpp.llama_sampler_init_grammar(
         vocab, gbnf.encode("utf-8"), b"root")
     if not sampler:
         raise GrammarError("the grammar does not parse (GBNF, with a 'root' "
                            "rule, no left recursion, repetitions <= 2000)")
-    return sampler
+    return sampler, parsed
+
+
+def _token_id_in(vocab: ctypes.c_void_p):
+    """A ``<token>`` written as text, as llama.cpp's parser reads it: the
+    one token it tokenizes to (special tokens parsed), else -1."""
+    def token_id(text: str) -> int:
+        raw = text.encode("utf-8")
+        out = (llama_cpp.llama_token * 2)()
+        n = llama_cpp.llama_tokenize(vocab, raw, len(raw), out, 2, False, True)
+        return out[0] if n == 1 else -1
+    return token_id
 
 
 def _free(sampler: ctypes.c_void_p) -> None:
@@ -184,14 +229,19 @@ class GrammarConstraint:
     ``mask`` is a logits processor (it must run after any bias or ban);
     ``accept`` advances the grammar by the token generated. If no token is
     allowed, ``mask`` leaves only end-of-generation ones and sets
-    ``dead_end``: the caller stops there.
+    ``dead_end``: the caller stops there. ``accept`` raises
+    ``GrammarError`` for a token after which llama.cpp would keep more
+    than ``MAX_GRAMMAR_STACKS`` parse stacks, before llama.cpp sees it.
     """
 
     _sampler = None  # until compiled: close() and __del__ find nothing
 
     def __init__(self, gbnf: str, vocab: ctypes.c_void_p, n_vocab: int,
                  eog_ids: list[int]) -> None:
-        self._sampler = _compile(gbnf, vocab)
+        self._sampler, parsed = _compile(gbnf, vocab, _token_id_in(vocab))
+        self._live = LiveStacks(parsed)
+        self._vocab = vocab
+        self._piece = ctypes.create_string_buffer(256)
         self._eog_ids = eog_ids
         self._data = (llama_cpp.llama_token_data * n_vocab)()
         view = np.ctypeslib.as_array(self._data)
@@ -218,7 +268,23 @@ class GrammarConstraint:
         return scores
 
     def accept(self, token: int) -> None:
+        if token not in self._eog_ids:
+            try:
+                self._live.accept(token, self._piece_of(token))
+            except GrammarRefused as exc:
+                raise GrammarError(str(exc)) from None
         llama_cpp.llama_sampler_accept(self._sampler, token)
+
+    def _piece_of(self, token: int) -> bytes:
+        """The token's bytes as llama.cpp's grammar reads them (special
+        tokens spelled out)."""
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, self._piece,
+                                           len(self._piece), 0, True)
+        if n < 0:  # -n: the size it needs
+            self._piece = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, self._piece,
+                                               -n, 0, True)
+        return self._piece.raw[:max(n, 0)]
 
     def close(self) -> None:
         if self._sampler:

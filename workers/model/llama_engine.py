@@ -240,7 +240,10 @@ class LlamaEngine:
             if is_eog(vocab, token):
                 return FinishReason.STOP
             if grammar is not None:
-                grammar.accept(token)  # before the next token is sampled
+                try:
+                    grammar.accept(token)  # before the next token is sampled
+                except GrammarError as exc:  # its parse stacks passed the budget
+                    raise RequestRejected(ErrorCode.INVALID_GRAMMAR, str(exc)) from None
             # Sending the token decodes nothing: n_tokens is what it will be
             # when its progress is reported.
             return (text_of(token),
