@@ -13,7 +13,7 @@ from typing import Any
 
 import falcon
 
-from frontend import metrics, openai_schema
+from frontend import metrics, openai_schema, tracing
 from frontend.auth import ApiKeyMiddleware
 from frontend.broker_link import BrokerLink
 from frontend.broker_pool import BrokerPool
@@ -23,7 +23,7 @@ from frontend.cors import (
     cors_middleware,
 )
 from frontend.embeddings import EmbeddingsResource
-from frontend.endpoint import GenerationEndpoint, Submission
+from frontend.endpoint import DEFAULT_MODEL_NAME, GenerationEndpoint, Submission
 from frontend.errors import (
     Unavailable,
     install_error_handlers,
@@ -33,6 +33,7 @@ from frontend.interfaces import BrokerClient
 from frontend.job import Job
 from frontend.native_api import add_native_routes
 from frontend.openai_format import ResponseShaper
+from frontend.probes import add_probe_routes
 from frontend.prompt_gate import PromptGate
 from frontend.request_log import RequestLogMiddleware
 from frontend.settings import FrontendSettings
@@ -287,16 +288,19 @@ def create_app(
             *([cors] if cors is not None else []),
             RequestIdMiddleware(),
             RequestLogMiddleware(),
+            # The request's span (none when tracing is off: ``frontend.tracing``).
+            *tracing.middleware(),
             # Which pages may use the pool (``frontend.cors``): refused
             # before the key check and anything else, and logged.
             HostCheckMiddleware(settings.allowed_hosts),
             OriginCheckMiddleware(settings.web_origins()),
-            ApiKeyMiddleware(settings.api_keys),
+            tracing.traced_auth(ApiKeyMiddleware(settings.api_keys)),
         ],
         cors_enable=False,  # the middleware above, configured, instead
     )
     app.req_options.strip_url_path_trailing_slash = True
-    install_error_handlers(app)
+    install_error_handlers(
+        app, refused_model=settings.model_name or DEFAULT_MODEL_NAME)
     gate = (
         PromptGate(settings.tokenizer_model, settings.chat_format, settings.n_ctx)
         if settings.tokenizer_model
@@ -318,6 +322,7 @@ def create_app(
     add_native_routes(app, link, settings, gate)
     app.add_route("/slots", SlotsResource(link, settings))
     app.add_route("/metrics", MetricsResource(link, settings))
+    add_probe_routes(app, link, settings)
     add_page_routes(app)
     app.link = link
     app.gate = gate

@@ -11,15 +11,17 @@ import hmac
 import logging
 
 from frontend.errors import Unauthorized
+from frontend.probes import PROBE_PATHS
 from frontend.web_page import PUBLIC_PAGE_PATHS
 
 log = logging.getLogger("llamapool.frontend")
 
 #: ``/``, ``/index.html``, ``/bundle.js``, ``/bundle.css`` and the page's other
-#: modules are among ``PUBLIC_PAGE_PATHS`` (``frontend.web_page``).
+#: modules are among ``PUBLIC_PAGE_PATHS`` (``frontend.web_page``); a kubelet
+#: sends no key, so ``/livez`` and ``/readyz`` are public (``frontend.probes``).
 PUBLIC_PATHS = frozenset(
     {"/health", "/v1/health", "/models", "/v1/models"}
-) | PUBLIC_PAGE_PATHS
+) | PUBLIC_PAGE_PATHS | PROBE_PATHS
 
 
 def key_suffix(key: str | None) -> str:

@@ -116,6 +116,11 @@ class PoolJobStream:
     def accepted(self) -> bool:
         return self._stream.accepted
 
+    @property
+    def brokers_asked(self) -> int:
+        """Brokers the job was submitted to so far (a trace's attribute)."""
+        return self._tried + 1
+
     def get(self, timeout_s: float) -> messages.Message | None:
         deadline = time.monotonic() + timeout_s
         while True:

@@ -51,6 +51,7 @@ from frontend.request_body import read_json_body
 from frontend.request_log import RequestRecord
 from frontend.settings import FrontendSettings
 from frontend.sse import stream_answer
+from frontend.tracing import traced_gate_check, traced_parse
 from protocol.payloads import GenerationRequest
 
 
@@ -120,7 +121,8 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
         # The door's checks (a grammar's, the prompt's tokens) and a SUBMIT
         # are spent only on a client that is still there.
         self.refuse_if_gone(req)
-        submission = self.scoped(req, self.admit(self.parse(body), body))
+        submission = self.scoped(
+            req, self.admit(traced_parse(self.parse, body), body))
         record: RequestRecord = req.context.record
         record.stream = submission.stream
         record.key_suffix = req.context.get("key_suffix", "-")
@@ -160,7 +162,8 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
     def gated(self, generation: GenerationRequest) -> GenerationRequest:
         """``generation`` with its prompt tokens (``PromptGate.check``), or as
         it is without a gate."""
-        return generation if self.gate is None else self.gate.check(generation)
+        return (generation if self.gate is None
+                else traced_gate_check(self.gate, generation))
 
     def scoped(self, req: falcon.Request, submission: Submission[Parsed]
                ) -> Submission[Parsed]:

@@ -257,12 +257,21 @@ def write_error(resp: falcon.Response, error: ApiError) -> None:
         resp.set_header(name, value)
 
 
-def install_error_handlers(app: falcon.App) -> None:
-    """The single place where exceptions become HTTP responses."""
+def install_error_handlers(app: falcon.App, refused_model: str = "") -> None:
+    """The single place where exceptions become HTTP responses.
+
+    ``refused_model`` labels the no-slot refusals
+    (``metrics.REQUESTS_REFUSED_NO_SLOT``).
+    """
+    # The series exists at 0 from the start, so rate() sees the first
+    # refusal as an increase rather than as a new series.
+    metrics.REQUESTS_REFUSED_NO_SLOT.labels(refused_model)
 
     def on_api_error(req, resp, ex: ApiError, params) -> None:
         if ex.reject_reason is not None:
             metrics.REQUESTS_REJECTED.labels(ex.reject_reason).inc()
+        if isinstance(ex, NoSlotAvailable):
+            metrics.REQUESTS_REFUSED_NO_SLOT.labels(refused_model).inc()
         write_error(resp, ex)
 
     def on_falcon_error(req, resp, ex: falcon.HTTPError, params) -> None:

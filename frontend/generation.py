@@ -23,6 +23,7 @@ from frontend.errors import NoSlotAvailable, Unavailable, UpstreamError
 from frontend.interfaces import BrokerClient, JobOrigin
 from frontend.job import Job, JobOutcome
 from frontend.lease import LeaseEnding, SlotLease
+from frontend.tracing import job_trace
 from protocol import messages
 from protocol.errors import ErrorCode
 from protocol.payloads import GenerationRequest, TokenLogprob
@@ -96,15 +97,22 @@ def _submit(
     origin: JobOrigin | None = None,
 ) -> Job:
     """One try of ``start_job``: a lease, SUBMIT, the answer, the first frame."""
+    trace = job_trace(id_slot)  # None when tracing is off
+    if trace is not None:
+        on_release = trace.releasing(on_release, outcome)
     lease = SlotLease(uuid.uuid4().hex, link.send, link.forget, on_release)
     try:
         tokens = generation.prompt_tokens
         # In the request's tenant's scope, as the workers report theirs.
         blocks = prefix_blocks(tokens, generation.cache_tenant) if tokens else None
+        if trace is not None:
+            origin = trace.origin(origin, lease.job_id)
         stream = link.submit(lease.job_id, generation, blocks, id_slot, origin)
         job = Job(lease, stream, send=link.send, frame_timeout_s=frame_timeout_s,
                   credit_batch_frames=credit_batch_frames, outcome=outcome)
         answer = job.answer(submit_timeout_s)
+        if trace is not None:
+            trace.answered(answer, stream)
         if answer is None:
             raise UpstreamError(ErrorCode.BROKER_UNREACHABLE,
                                 "the broker did not answer")
@@ -116,6 +124,8 @@ def _submit(
             raise Unavailable(ErrorCode.BROKER_UNREACHABLE,
                               "unexpected answer from the broker")
         first = job.first_frame()
+        if trace is not None:
+            trace.first_frame(first)
         if isinstance(first, messages.Error):
             raise UpstreamError.from_frame(first)
         return job

@@ -21,7 +21,12 @@ import dataclasses
 from typing import Protocol
 
 from protocol import messages
-from protocol.payloads import GenerationRequest, PoolStatus, TokenLogprob
+from protocol.payloads import (
+    GenerationRequest,
+    PoolStatus,
+    TokenLogprob,
+    TraceContext,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +37,9 @@ class JobOrigin:
 
     request_id: str = ""
     key: str = ""
+    #: The frontend's span for the job (``frontend.request_trace``); None:
+    #: not traced.
+    trace: TraceContext | None = None
 
 
 class FrameStream(Protocol):

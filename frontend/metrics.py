@@ -45,6 +45,17 @@ REQUESTS_REJECTED = Counter(
     "Requests refused before generation, by reason",
     ["reason"],
 )
+#: The demand an autoscaler reads (deploy/kubernetes/README.md): client
+#: requests answered 503 because no broker had a free slot, once each
+#: however many brokers were asked. ``model`` is what the refused capacity
+#: serves: this frontend's ``LLAMAPOOL_MODEL_NAME`` (the broker routes to
+#: any idle worker, so a pool is one model's capacity), never a name taken
+#: from the request, which would let clients mint series without bound.
+REQUESTS_REFUSED_NO_SLOT = Counter(
+    "llamapool_requests_refused_no_slot_total",
+    "Client requests refused with 503 because no slot was free, by model",
+    ["model"],
+)
 HTTP_RESPONSES = Counter(
     "llamapool_http_responses_total", "HTTP responses by endpoint and status",
     ["endpoint", "status"],

@@ -40,6 +40,9 @@ class RequestRecord:
         self.stream = False
         self.lease: SlotLease | None = None
         self.outcome: JobOutcome | None = None
+        #: The request's span (``frontend.request_trace.RequestTrace``), ended
+        #: with this record; None: not traced.
+        self.trace = None
         self._parts_left = 1
         self._lock = threading.Lock()
 
@@ -101,6 +104,8 @@ class RequestRecord:
             metrics.REQUEST_DURATION.observe(duration_s)
         log.info(" ".join(f"{k}={v}" for k, v in fields.items() if v is not None),
                  extra=fields)
+        if self.trace is not None:
+            self.trace.finish(self)
 
 
 class RequestLogMiddleware:

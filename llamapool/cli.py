@@ -1,7 +1,7 @@
 """The ``llamapool`` command.
 
 Subcommands: ``up``, ``broker``, ``worker``, ``frontend``, ``make-test-model``,
-``bench``, ``keygen``, ``exit-report``.
+``bench``, ``keygen``, ``exit-report``, ``probe``.
 
 The broker, worker and frontend each build one frozen settings object
 (``workers.broker.settings``, ``workers.model.settings``,
@@ -22,11 +22,12 @@ import sys
 from typing import Any
 
 from frontend.settings import FrontendSettings
-from llamapool import curve_cli, sd_notify
+from llamapool import curve_cli, probe, sd_notify
 from llamapool.exit_codes import ExitCode
 from llamapool.signals import StopFlag, dump_stacks_on_sigusr1
 from llamapool.supervisor import UP_WORKER_FLAGS
 from llamapool.test_model import QUANTS as TEST_MODEL_QUANTS
+from protocol import tracing
 from protocol.curve import CurveKeyError, client_keys
 from protocol.settings import (
     ConfigError,
@@ -180,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the worker's phase file (env LLAMAPOOL_PHASE_FILE)")
     _add_bench_parser(sub)
     curve_cli.add_keygen_parser(sub)
+    probe.add_probe_parser(sub)
     return parser
 
 
@@ -215,6 +217,7 @@ def run_broker(args: argparse.Namespace) -> int:
             metrics = serve_broker_metrics(settings.metrics_port)
         except OSError as exc:
             return _metrics_port_failure(log, settings.metrics_port, exc)
+    tracing.configure("broker")
     broker = Broker(settings, metrics=metrics, notifier=sd_notify.Notifier())
     try:
         broker.bind()
@@ -249,6 +252,7 @@ def run_worker(args: argparse.Namespace) -> int:
     elif not os.path.isfile(settings.model_path):
         return _fail(log, ExitCode.MODEL_LOAD, "model file not found: %s",
                      settings.model_path)
+    tracing.configure("worker")
     try:
         worker = ModelWorker(settings, lambda: load_engine(settings),
                              notifier=sd_notify.Notifier())
@@ -394,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": run_bench,
         "exit-report": run_exit_report,
         "keygen": curve_cli.run_keygen,
+        "probe": probe.run_probe,
     }
     return int(handlers[args.command](args))
 

@@ -76,6 +76,11 @@ MAX_NAME_CHARS = 512
 MAX_ID_CHARS = 128
 #: What a SUBMIT may show of its API key (the last 4 characters, or "-").
 MAX_KEY_LABEL_CHARS = 8
+#: A SUBMIT's W3C trace context (``protocol.payloads.TraceContext``):
+#: ``traceparent`` is 55 characters in version 00; ``tracestate`` is what
+#: W3C asks every hop to pass on at least.
+MAX_TRACEPARENT_CHARS = 128
+MAX_TRACESTATE_CHARS = 512
 #: The most llama.cpp threads (or pool cores) a message may name; far above
 #: any real host, low enough that a hostile value allocates nothing silly.
 MAX_THREADS = 4096

@@ -45,6 +45,7 @@ from protocol.payloads import (
     PoolStatus,
     Timings,
     TokenLogprob,
+    TraceContext,
     Usage,
 )
 from protocol.prompt_cache import PromptCacheStatus
@@ -243,6 +244,10 @@ class Submit(Message):
     request log has them, "-" for none) are for the broker's log lines about
     the job (a worker that died during it); they change no output, so a peer
     that drops them loses only those words.
+    ``trace`` (None: the job is not traced) is the frontend's span for the
+    job (``protocol.tracing``): the broker's and the worker's spans are its
+    children. It changes no output either, so a peer that drops it only
+    makes no spans; no version bump.
     """
 
     job_id: Annotated[str, _ID]
@@ -251,6 +256,7 @@ class Submit(Message):
     id_slot: int = -1
     request_id: Annotated[str, _ID] = ""
     key: Annotated[str, _KEY] = ""
+    trace: TraceContext | None = None
 
 
 @_register(0x11)

@@ -418,3 +418,21 @@ class PoolStatus(WireRecord):
                 slot["progress"] = {}
         out["cancel_release_s"] = out["stats"]["cancel_release_s"]
         return out
+
+
+# --- trace context (SUBMIT) -----------------------------------------------------
+
+
+@wire_record
+class TraceContext(WireRecord):
+    """The W3C trace context of the frontend's span for one job
+    (``protocol.tracing``), so that the broker's and the worker's spans are
+    its children. The strings are the ``traceparent`` and ``tracestate``
+    headers as W3C writes them; a peer that cannot parse them makes no span
+    for the job and runs it as usual. Never any prompt, output or key."""
+
+    #: ``00-<32 hex trace id>-<16 hex span id>-<2 hex flags>``: 55 characters
+    #: in version 00; a later version may append fields.
+    traceparent: Annotated[str, Text(limits.MAX_TRACEPARENT_CHARS)]
+    #: Vendor entries; W3C asks that at least 512 characters be passed on.
+    tracestate: Annotated[str, Text(limits.MAX_TRACESTATE_CHARS)] = ""

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import zmq
 
-from protocol import curve, limits, messages, timing
+from protocol import curve, limits, messages, timing, tracing
 from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from protocol.log_throttle import LogThrottle
@@ -108,6 +108,12 @@ class Broker:
         self.step_down = ThreadStepDown(self)
         self.stuck_frontends = StuckFrontends(self)
         self.claim_checks = ClaimChecks(self)
+        #: Spans of traced jobs (``job_traces``); None: tracing is off, and
+        #: OpenTelemetry is not even imported.
+        self.traces = None
+        if tracing.TRACER is not None:
+            from workers.broker.job_traces import BrokerTraces
+            self.traces = BrokerTraces(self)
         #: Heard at every heartbeat, in this order, after the ledger's
         #: liveness expiry.
         self._on_beat: list[Callable[[float], None]] = [
@@ -287,6 +293,8 @@ class Broker:
             self.ledger.register_frontend(ident, now)
         if isinstance(msg, messages.Submit):
             self._on_submit(ident, msg, raw, now)
+            if self.traces is not None and msg.trace is not None:
+                self.traces.on_submit(ident, msg, now)
             return
         handler = self._frontend_handlers.get(type(msg))
         if handler is None:
@@ -364,6 +372,8 @@ class Broker:
             # with the terminal frame that frees the slot.
             self.step_down.release(job.job_id)
             self.to_worker(job.worker, messages.Cancel(job.job_id))
+            if self.traces is not None:
+                self.traces.on_cancel(job, now)
 
     # --- worker side -------------------------------------------------------------
 
@@ -428,11 +438,15 @@ class Broker:
             self.ledger.remove_worker(job.worker)
         self.counters.finished += 1
         self.step_down.on_finish(job.worker)
+        if self.traces is not None:
+            self.traces.on_finish(job, msg)
 
     def fail_job(self, job: ledger_mod.Job, code: ErrorCode, message: str) -> None:
         """End a job the broker can no longer run: ERROR to its frontend."""
         self.counters.job_failed(code)
         self.to_frontend(job.frontend, messages.Error(job.job_id, code, message))
+        if self.traces is not None:
+            self.traces.on_failed(job, str(code))
 
     def worker_died(self, ident: bytes, why: str, *,
                     code: ErrorCode = ErrorCode.WORKER_DIED,

@@ -7,7 +7,9 @@ Rendered from a broker snapshot (``Broker.snapshot``), either by a frontend's
 
 from __future__ import annotations
 
+import collections
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import (
@@ -57,6 +59,7 @@ class PoolCollector:
                       "prompt state (usage.prompt_tokens_details.cached_tokens)",
                       stats.prompt_tokens_cached_total)
         yield from prompt_cache_families(snap)
+        yield from model_slot_families(snap)
         yield gauge("llama_kv_cache_usage_level",
                     "KV cache fill (0-1), mean over busy slots",
                     snap.kv_cache_usage_level)
@@ -136,6 +139,20 @@ class PoolCollector:
         )
 
 
+def model_slot_families(snap: PoolStatus):
+    """Slots per model and state, from the ledger (bounded by the workers
+    registered): the supply side of the demand an autoscaler reads
+    (deploy/kubernetes/README.md)."""
+    family = GaugeMetricFamily(
+        "llamapool_model_slots",
+        "Slots in the ledger by model and state (idle, busy, cancelling, "
+        "loading, failed)", labels=["model", "state"])
+    counts = collections.Counter((s.model, s.state) for s in snap.slots)
+    for (model, state), n in sorted(counts.items()):
+        family.add_metric([model, state], n)
+    yield family
+
+
 def prompt_cache_families(snap: PoolStatus):
     """The workers' prompt-state caches, summed over the slots in the ledger
     (each from its worker's last CACHE_REPORT). Hits, misses and evictions
@@ -177,17 +194,26 @@ class LatestSnapshotCollector:
 
     def __init__(self) -> None:
         self._snapshot: PoolStatus | None = None
+        self._published_at: float | None = None
         self._lock = threading.Lock()
 
     def publish(self, snapshot: PoolStatus) -> None:
         with self._lock:
             self._snapshot = snapshot
+            self._published_at = time.monotonic()
 
     def collect(self):
         with self._lock:
-            snapshot = self._snapshot
+            snapshot, published_at = self._snapshot, self._published_at
         if snapshot is not None:
             yield from PoolCollector(snapshot).collect()
+            # This HTTP thread answers even when the loop is wedged; the age
+            # of the loop's last publication is what says it still turns
+            # (``llamapool probe broker``).
+            yield GaugeMetricFamily(
+                "llamapool_broker_loop_beat_age_seconds",
+                "Seconds since the routing loop last published its ledger",
+                value=time.monotonic() - published_at)
 
 
 def serve_broker_metrics(port: int, host: str = "0.0.0.0") -> LatestSnapshotCollector:

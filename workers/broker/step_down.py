@@ -57,6 +57,9 @@ class HeldSubmits:
     def __len__(self) -> int:
         return len(self._held)
 
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self._held
+
     def hold(self, job_id: str, worker: bytes, frames: list[bytes],
              waiting_on: dict[bytes, int], deadline: float) -> None:
         self._held[job_id] = HeldSubmit(job_id, worker, frames,
@@ -112,6 +115,10 @@ class ThreadStepDown:
 
     def next_deadline(self) -> float | None:
         return self._held.next_deadline()
+
+    def holds(self, job_id: str) -> bool:
+        """Whether the job's SUBMIT is held (for its trace)."""
+        return job_id in self._held
 
     def on_assign(self, job_id: str, worker: bytes, frames: list[bytes],
                   now: float) -> bool:
@@ -175,6 +182,8 @@ class ThreadStepDown:
         for h in held:
             if h is None:
                 continue
+            if b.traces is not None:
+                b.traces.on_hold_ended(h.job_id)
             job = b.ledger.jobs.get(h.job_id)
             if job is None or job.worker != h.worker:
                 continue  # failed or ended meanwhile (its worker died)

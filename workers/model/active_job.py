@@ -47,6 +47,8 @@ class ActiveJob:
     ) -> None:
         self.job_id = submit.job_id
         self.request = submit.request
+        #: The frontend's span for the job (None: not traced).
+        self.trace_context = submit.trace
         self._send = send
         self._stall_timeout_s = settings.stall_timeout_s
         self._credit = settings.credit_window_frames
@@ -62,6 +64,9 @@ class ActiveJob:
         self.stalled = False
         #: monotonic time the job began waiting for credit; None: not waiting.
         self._paused_since: float | None = None
+        #: Time spent waiting for credit, and how many waits (for its trace).
+        self.paused_s = 0.0
+        self.pauses = 0
         #: The worker's current thread budget, when it arrived and its
         #: sequence number (None: fixed --threads).
         self._wanted_threads = wanted_threads
@@ -128,6 +133,9 @@ class ActiveJob:
                         return False
                     self._credit_changed.wait(remaining)
             finally:
+                if self._paused_since is not None:
+                    self.paused_s += time.monotonic() - self._paused_since
+                    self.pauses += 1
                 self._paused_since = None
         return not self._cancelled.is_set()
 

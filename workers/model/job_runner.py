@@ -24,6 +24,7 @@ from workers.model.crash_on_demand import crash_if_asked
 from workers.model.engine import Engine, RequestRejected
 from workers.model.features import refuse_unsupported
 from workers.model.settings import WorkerSettings
+from workers.model.tracing import job_ended, job_trace
 
 log = logging.getLogger("llamapool.worker")
 
@@ -119,6 +120,7 @@ class JobRunner:
 
     def _run_job(self, job: ActiveJob) -> None:
         self.busy = True
+        trace = job_trace(job)  # None when tracing is off or the job untraced
         self._phase.set(worker_phase.job_phase(job.job_id))
         try:
             msg = self._generate(job)
@@ -134,6 +136,9 @@ class JobRunner:
         # Before the terminal frame: the broker frees the slot on that frame
         # and may route the next job at once, by what this report says.
         self._send_cache_report()
+        if trace is not None:
+            job_ended()
+            trace.end(msg)
         self._send(Outgoing(job, msg))
         self._phase.set(worker_phase.IDLE)
 

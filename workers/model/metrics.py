@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -53,6 +55,18 @@ class WorkerCollector:
                                 value=0 if w.engine is None else 1)
         yield GaugeMetricFamily("llamapool_worker_busy", "1 while a job runs",
                                 value=1 if w.busy else 0)
+        # Readiness and liveness for ``llamapool probe worker``: this HTTP
+        # thread answers even when the link thread is stuck, so the beat's
+        # age, not the answer, says the link still turns.
+        yield GaugeMetricFamily("llamapool_worker_registered",
+                                "1 while a broker holds this worker in its ledger",
+                                value=1 if w.registered else 0)
+        beat_at = w.link_beat_at
+        if beat_at is not None:
+            yield GaugeMetricFamily(
+                "llamapool_worker_link_beat_age_seconds",
+                "Seconds since the broker link's thread last beat",
+                value=time.monotonic() - beat_at)
 
 
 def serve_worker_metrics(worker, port: int, host: str = "0.0.0.0") -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from collections.abc import Sequence
 
 import llama_cpp
@@ -38,6 +39,7 @@ import numpy as np
 
 from protocol.prefix import prefix_blocks
 from workers.model import kv_cache, llama_internals
+from workers.model import tracing as worker_tracing
 from workers.model.prompt_cache import MIN_STATE_TOKENS, PromptStateCache
 
 log = logging.getLogger("llamapool.worker")
@@ -73,6 +75,8 @@ class PromptReuse:
         Returns:
             ``kv_cache.plan_reuse``'s plan: the suffix to evaluate.
         """
+        traced = worker_tracing.current  # None unless this job is traced
+        started = time.perf_counter() if traced is not None else 0.0
         own_live = reuse and tenant == self.live_tenant
         live = kv_cache.reusable_prefix(self.llama, prompt) if own_live else 0
         key, stored = (self.cache.longest_prefix(prompt, tenant) if reuse
@@ -101,6 +105,10 @@ class PromptReuse:
         elif (self.cache.enabled and len(prompt) > MIN_STATE_TOKENS
               and plan.cached_tokens < MIN_STATE_TOKENS):
             self.cache.misses += 1
+        if traced is not None:
+            traced.note_plan(started, live=live,
+                             restored=plan.cached_tokens if restored else 0,
+                             cached=plan.cached_tokens, prompt=len(prompt))
         return plan
 
     def save_live(self) -> bool:
@@ -166,6 +174,8 @@ class PromptReuse:
             read = llama_cpp.llama_state_seq_set_data(
                 llama_internals.context_handle(self.llama), buf, len(data), _SEQ)
             ok = read == len(data)
+            if ok and worker_tracing.current is not None:
+                worker_tracing.current.restored_bytes = len(data)
         if not ok:
             log.warning("a cached prompt state could not be restored (%d tokens, "
                         "%d bytes); dropped it", n, len(state.data))

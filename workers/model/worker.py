@@ -111,6 +111,16 @@ class ModelWorker:
         return self.link.connection.unsent_dropped
 
     @property
+    def registered(self) -> bool:
+        """Loaded, and a broker holds this worker in its ledger."""
+        return self.link.registered
+
+    @property
+    def link_beat_at(self) -> float | None:
+        """When the link thread last beat (monotonic), None before."""
+        return self.link.last_beat_at
+
+    @property
     def link_callback_errors(self) -> int:
         """Bugs caught in the link's callbacks (logged; the link went on)."""
         return self.link.connection.callback_errors

@@ -142,6 +142,10 @@ class WorkerLink(LinkHandler):
         )
         self._stop: StopSignal | None = None
         self._grace_deadline: float | None = None
+        #: When the link thread last beat (monotonic; None: not yet): its
+        #: age on ``/metrics`` says the thread still turns
+        #: (``llamapool probe worker``).
+        self.last_beat_at: float | None = None
         #: --threads auto: the thread count the broker last gave us (read by
         #: the engine between decodes, from the main thread; replaced whole).
         #: None: fixed --threads, never changed.
@@ -228,8 +232,14 @@ class WorkerLink(LinkHandler):
             handler.flush()
         os._exit(CANCEL_TIMEOUT_EXIT)
 
+    @property
+    def registered(self) -> bool:
+        """Whether the broker has answered our READY and not forgotten us."""
+        return self._registration.confirmed
+
     def heartbeat(self, now: float) -> messages.Message:
         self._sd.watchdog(now)
+        self.last_beat_at = now
         if self._runner.engine is None:
             return messages.Loading(self.name, self.settings.label, os.getpid(),
                                     socket.gethostname(),
