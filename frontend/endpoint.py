@@ -228,5 +228,5 @@ class GenerationEndpoint(JobEndpoint[ParsedText]):
             # From here on the body owns the job, and with it the lease.
             stream_answer(req, resp, job, shaper, self.settings.stream_sndbuf_bytes)
             return
-        text, final, entries = collect(job)
+        text, final, entries = collect(job, lambda: client_gone(req))
         resp.media = shaper.whole_answer(text, final, entries)

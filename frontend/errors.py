@@ -179,6 +179,14 @@ class ClientGone(ApiError):
         super().__init__("the client closed the connection")
 
 
+class ClientLeft(ClientGone):
+    """The client closed its connection while its job ran (a non-streamed
+    answer): the job was cancelled. Not a refusal: its lease says
+    ``disconnect``, as a stream's does."""
+
+    reject_reason = None
+
+
 class PoolError(ApiError):
     """A failure of the pool, named by its domain code; status and type come
     from ``HTTP_FORMS``. The body's ``code`` is that name."""

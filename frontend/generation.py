@@ -16,10 +16,11 @@ log record are the endpoint pipeline's (``frontend.endpoint``).
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 
-from frontend.errors import NoSlotAvailable, Unavailable, UpstreamError
+from frontend.errors import ClientLeft, NoSlotAvailable, Unavailable, UpstreamError
 from frontend.interfaces import BrokerClient, JobOrigin
 from frontend.job import Job, JobOutcome
 from frontend.lease import LeaseEnding, SlotLease
@@ -134,22 +135,40 @@ def _submit(
         raise
 
 
-def collect(job: Job) -> tuple[str, messages.Final, list[TokenLogprob]]:
+#: How often a non-streamed job looks at its client while tokens arrive: a
+#: poll of the socket costs a few microseconds, a token tens of them or more.
+CLIENT_CHECK_INTERVAL_S = 0.05
+
+
+def collect(job: Job, client_gone: Callable[[], bool] = lambda: False
+            ) -> tuple[str, messages.Final, list[TokenLogprob]]:
     """Read a job to its end for a non-streamed response.
 
     The lease ends on every path out of here. Each frame is consumed as soon
     as it is buffered, so credit goes back as fast as frames arrive; the text
     (and the log-probability entries, one per token when asked for) is
-    bounded by ``max_tokens`` and the context size.
+    bounded by ``max_tokens`` and the context size. ``client_gone`` is asked
+    between frames (at most every ``CLIENT_CHECK_INTERVAL_S``): a client
+    that has closed its connection ends the lease as a disconnect, which
+    cancels the job, as a stream's does.
+
+    Raises:
+        ClientLeft: the client closed its connection.
     """
     parts: list[str] = []
     logprobs: list[TokenLogprob] = []
+    next_check = time.monotonic() + CLIENT_CHECK_INTERVAL_S
     try:
         while True:
             msg = job.next_frame()
             if isinstance(msg, messages.Token):
                 parts.append(msg.text)
                 logprobs += msg.logprobs
+                if time.monotonic() >= next_check:
+                    if client_gone():
+                        job.end(LeaseEnding.DISCONNECT)
+                        raise ClientLeft()
+                    next_check = time.monotonic() + CLIENT_CHECK_INTERVAL_S
             elif isinstance(msg, messages.Final):
                 parts.append(msg.text)
                 logprobs += msg.logprobs

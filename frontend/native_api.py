@@ -261,8 +261,13 @@ class ApplyTemplateResource:
         # The whole chat body is checked as the chat endpoint checks it.
         parsed = openai_schema.parse_chat(body)
         builder = _builder(self.gate)
+        generation = parsed.generation
         try:
-            rendered = builder.render_chat(parsed.generation.messages)
+            # With the tools, as the chat endpoint renders them (and refuses
+            # them for a template that cannot).
+            rendered = builder.render_chat(generation.messages, generation.tools)
+        except model_code.ToolsUnsupported as exc:
+            raise BadRequest(str(exc), param="tools") from None
         except model_code.PromptError as exc:
             raise BadRequest(f"cannot render messages: {exc}",
                              param="messages") from None

@@ -145,8 +145,8 @@ class NativeShaper:
                 stream=self.stream, n_probs=self.n_probs if self.show_probs else 0),
             "prompt": self.prompt_text,
             "has_new_line": "\n" in text,
-            # The pool never cuts a prompt to fit: it refuses it (400).
-            "truncated": False,
+            # As llama-server: generation stopped because the context was full.
+            "truncated": msg.truncated,
             "stop_type": stop_type(msg.finish_reason, msg.stopping_word),
             "stopping_word": msg.stopping_word,
             # As llama.cpp: tokens the slot's KV cache holds after the job.

@@ -352,6 +352,9 @@ class Final(Message):
     possible stop-string prefix) and is released at the end; ``logprobs``
     are the entries of its tokens. ``stopping_word`` is the stop string that
     ended the job ("" if none did), for llama.cpp's native ``stop_type``.
+    ``truncated``: it stopped because the context was full, not at the
+    request's own limit (llama.cpp's native ``truncated``; an older worker
+    never sends it, and it reads false).
     """
 
     job_id: str
@@ -361,6 +364,7 @@ class Final(Message):
     text: str = ""
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     stopping_word: str = ""
+    truncated: bool = False
 
 
 @_register(0x17, limits.JOB_FRAME)

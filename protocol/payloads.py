@@ -266,8 +266,11 @@ class Timings(WireRecord):
         The rates are derived here from the counts and times, as llama.cpp's
         ``server_slot_stats`` derives them, so they are always consistent
         (``per_second = n / ms * 1000``, ``per_token_ms = ms / n``; 0 when
-        the divisor is 0).
+        the divisor is 0). Generation divides by its decode steps, n - 1:
+        the first token comes from the prompt's logits, and its time is
+        prompt time (``n_gen_steps`` in llama-server).
         """
+        steps = max(self.predicted_n - 1, 0)
         return {
             "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
@@ -276,10 +279,8 @@ class Timings(WireRecord):
             "prompt_per_second": _per_second(self.prompt_n, self.prompt_ms),
             "predicted_n": self.predicted_n,
             "predicted_ms": self.predicted_ms,
-            "predicted_per_token_ms": _per_token_ms(self.predicted_ms,
-                                                    self.predicted_n),
-            "predicted_per_second": _per_second(self.predicted_n,
-                                                self.predicted_ms),
+            "predicted_per_token_ms": _per_token_ms(self.predicted_ms, steps),
+            "predicted_per_second": _per_second(steps, self.predicted_ms),
         }
 
 

@@ -43,15 +43,19 @@ def stream(pool: Pool, path: str, body: dict) -> list:
 
 
 def assert_consistent(t: dict) -> None:
-    """Rates derived from counts and times, as llama.cpp derives them."""
+    """Rates derived from counts and times, as llama.cpp derives them: the
+    generation's over its decode steps, one fewer than its tokens (the first
+    comes from the prompt's logits)."""
     assert set(t) == TIMINGS_KEYS
-    for n, ms, per_token, per_second in (
-            ("prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second"),
+    for n, ms, per_token, per_second, first_is_free in (
+            ("prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second",
+             False),
             ("predicted_n", "predicted_ms", "predicted_per_token_ms",
-             "predicted_per_second")):
+             "predicted_per_second", True)):
         assert t[n] >= 0 and t[ms] >= 0
-        expect_per_token = t[ms] / t[n] if t[n] else 0.0
-        expect_per_second = t[n] / t[ms] * 1000 if t[ms] else 0.0
+        steps = max(t[n] - 1, 0) if first_is_free else t[n]
+        expect_per_token = t[ms] / steps if steps else 0.0
+        expect_per_second = steps / t[ms] * 1000 if t[ms] else 0.0
         assert math.isclose(t[per_token], expect_per_token, rel_tol=1e-9)
         assert math.isclose(t[per_second], expect_per_second, rel_tol=1e-9)
 

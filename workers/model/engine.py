@@ -105,6 +105,9 @@ class GenerationResult:
     tail_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     #: The stop string that ended generation ("" if none did).
     stopping_word: str = ""
+    #: Generation stopped because the context was full (llama-server's
+    #: ``truncated``), not at the request's own limit.
+    truncated: bool = False
 
     def usage(self) -> Usage:
         return Usage(

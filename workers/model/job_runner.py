@@ -172,7 +172,7 @@ class JobRunner:
         return messages.Final(
             job.job_id, result.finish_reason, result.usage(),
             result.timings(), result.tail_text, result.tail_logprobs,
-            result.stopping_word,
+            result.stopping_word, result.truncated,
         )
 
     def _use_idle_time(self) -> None:

@@ -211,7 +211,8 @@ class LlamaEngine:
         loop = TokenLoop(sink, started=started, n_prompt=len(prompt),
                          max_tokens=max_tokens, stops=request.stop + extra_stops,
                          cached_tokens=plan.cached_tokens,
-                         timings_per_token=request.timings_per_token)
+                         timings_per_token=request.timings_per_token,
+                         context_limited=len(prompt) + max_tokens >= self.n_ctx)
         detok = IncrementalDetokenizer(self._vocab)
         tokens = self._sampled_tokens(plan, request.sampling, logits)
         try:

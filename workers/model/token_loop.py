@@ -174,6 +174,8 @@ class TokenLoop:
         timings_per_token: frames carry the timings so far.
         rate_since_start: the progress rate counts from the job's start (an
             engine with no prompt phase of its own), not from the first unit.
+        context_limited: ``max_tokens`` is the room the context had left, so
+            reaching it means the context is full (``truncated``).
     """
 
     #: How a job ends that reached its budget.
@@ -184,8 +186,10 @@ class TokenLoop:
     def __init__(self, sink: JobSink, *, started: float, n_prompt: int,
                  max_tokens: int, stops: Sequence[str] = (), cached_tokens: int = 0,
                  timings_per_token: bool = False,
-                 rate_since_start: bool = False) -> None:
+                 rate_since_start: bool = False,
+                 context_limited: bool = False) -> None:
         self.sink = sink
+        self.context_limited = context_limited
         self.started = started
         self.n_prompt = n_prompt
         self.max_tokens = max_tokens
@@ -260,6 +264,7 @@ class TokenLoop:
             tail_text="" if cancelled else output.tail(last_text),
             tail_logprobs=[] if cancelled else output.tail_logprobs(),
             stopping_word=output.stopper.matched,
+            truncated=self.context_limited and finish == FinishReason.LENGTH,
         )
 
 
