@@ -86,7 +86,8 @@ def excluded_paths(environ: Mapping[str, str] = os.environ) -> re.Pattern:
 
 #: Not traced unless ``OTEL_PYTHON_EXCLUDED_URLS`` says otherwise: health
 #: checks and metric scrapes, many a second and each the same.
-DEFAULT_EXCLUDED_PATHS = ["^/health$", "^/v1/health$", "^/metrics$"]
+DEFAULT_EXCLUDED_PATHS = ["^/health$", "^/v1/health$", "^/livez$", "^/readyz$",
+                          "^/metrics$"]
 
 
 def traced() -> bool:

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 from frontend.settings import FrontendSettings
@@ -130,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-format", choices=["text", "json"],
                         default=os.environ.get("LLAMAPOOL_LOG_FORMAT", "text"),
                         help="json: one object per line (request logs included)")
+    parser.add_argument(
+        "--otlp-traces-endpoint", metavar="URL", default=None,
+        help="export OpenTelemetry traces by OTLP/HTTP to URL (e.g. "
+             "http://collector:4318/v1/traces), as vLLM's flag of that name; "
+             "sets OTEL_EXPORTER_OTLP_TRACES_ENDPOINT for this process and "
+             "those it starts (docs/operations.md, traces)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="broker + N workers + gunicorn on this machine")
@@ -376,6 +383,14 @@ def run_bench(args: argparse.Namespace) -> int:
     return loadgen.main(args)
 
 
+def export_traces_to(endpoint: str | None, environ: MutableMapping[str, str]) -> None:
+    """``--otlp-traces-endpoint``: the standard variable, set before any
+    process of the pool reads it (``protocol.tracing.configure``), and
+    inherited by what ``up`` starts and gunicorn's workers."""
+    if endpoint:
+        environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = endpoint
+
+
 def main(argv: list[str] | None = None) -> int:
     # A native crash (SIGSEGV, SIGILL, SIGBUS, SIGFPE in llama.cpp) writes
     # every thread's Python stack to stderr, the log, before the process
@@ -384,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable(all_threads=True)
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level, args.log_format)
+    export_traces_to(args.otlp_traces_endpoint, os.environ)
     if args.command == "up":
         from llamapool.supervisor import run_up
 

@@ -273,3 +273,20 @@ def test_the_excluded_paths_follow_the_instrumentations_variable(env, path,
     from frontend.request_trace import excluded_paths
 
     assert bool(excluded_paths(env).search(path)) is excluded
+
+
+def test_the_otlp_traces_endpoint_flag_turns_tracing_on_for_every_process():
+    from llamapool.cli import build_parser, export_traces_to
+
+    for command in (["broker"], ["worker", "--model", "m.gguf"], ["frontend"], ["up"]):
+        args = build_parser().parse_args(
+            ["--otlp-traces-endpoint", "http://collector:4318/v1/traces", *command])
+        environ: dict[str, str] = {}
+        export_traces_to(args.otlp_traces_endpoint, environ)
+        assert environ == {
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/v1/traces"}
+        assert tracing.export_configured(environ)
+    args = build_parser().parse_args(["broker"])
+    environ = {}
+    export_traces_to(args.otlp_traces_endpoint, environ)
+    assert environ == {} and not tracing.export_configured(environ)
