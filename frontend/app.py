@@ -20,7 +20,7 @@ from frontend.broker_pool import BrokerPool
 from frontend.cors import (
     HostCheckMiddleware,
     OriginCheckMiddleware,
-    cors_middleware,
+    cors_policy,
 )
 from frontend.embeddings import EmbeddingsResource
 from frontend.endpoint import DEFAULT_MODEL_NAME, GenerationEndpoint, Submission
@@ -279,7 +279,7 @@ def create_app(
 ) -> LlamapoolApp:
     """Build the WSGI app. ``link`` may be injected by tests."""
     link = link or broker_links(settings)
-    cors = cors_middleware(settings.web_origins())
+    cors = cors_policy(settings)
     app = LlamapoolApp(
         middleware=[
             # First, so that its process_response tags every answer, a 401

@@ -3,14 +3,15 @@
 Three checks, each a middleware, because a browser lets any page it shows
 send requests to any address, the pool's on loopback or the LAN included:
 
-* **CORS** (``cors_middleware``) decides which other origins may *read*
-  answers. llama-server answers every ``OPTIONS`` preflight without a key (a
-  browser never sends credentials on one) and sends
-  ``Access-Control-Allow-Origin: *`` by default (``--cors-origins``). Here
-  Falcon's ``CORSMiddleware`` does the same for the origins allowed: it
-  answers preflights with the methods the route has and the headers the page
-  asked to send (``Authorization``, ``Content-Type``, ...), and tags every
-  answer, errors included, so a page can read a 401 or a 503 too.
+* **CORS** (``CorsPolicy``) decides which other origins may *read*
+  answers, in llama-server's forms (``--cors-origins`` ``*``, a list, or
+  ``localhost``: any page on this machine, its origin reflected;
+  ``--cors-methods``, ``--cors-headers``, ``--cors-credentials``). Preflights
+  are answered without a key (a browser never sends credentials on one),
+  with the route's methods and the headers the page asked to send unless
+  those flags name others, and every answer is tagged, errors included, so
+  a page can read a 401 or a 503 too. Credentials are off by default, where
+  llama-server reflects every origin with them (``frontend.settings``).
   ``ApiKeyMiddleware`` lets ``OPTIONS`` through, which carries no data. The
   default is ``*`` only when API keys are set: without a key, a grant to
   every origin would let any page the user opens chat, read ``/slots``,
@@ -56,14 +57,89 @@ EXPOSED_HEADERS = ("Retry-After", "X-Slot-Id", "X-Request-Id", "X-Frontend-Pid",
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
-def cors_middleware(origins: tuple[str, ...]) -> falcon.CORSMiddleware | None:
-    """The middleware for the origins CORS grants (``*`` or a list;
-    ``FrontendSettings.web_origins``), or None when it grants none."""
+def is_localhost_origin(origin: str) -> bool:
+    """llama-server's ``localhost`` keyword: an origin on this machine
+    (``localhost``, ``127.0.0.1``, ``::1``, any port)."""
+    try:
+        host = urlsplit(origin).hostname
+    except ValueError:
+        return False
+    return host in ("localhost", "127.0.0.1", "::1")
+
+
+class OriginList:
+    """``--cors-origins``: ``*``, or origins and the ``localhost`` keyword."""
+
+    def __init__(self, origins: tuple[str, ...]) -> None:
+        self.any = origins == ("*",)
+        self.localhost = "localhost" in origins
+        self.exact = frozenset(o for o in origins if o != "localhost")
+
+    def __bool__(self) -> bool:
+        return self.any or self.localhost or bool(self.exact)
+
+    def allows(self, origin: str) -> bool:
+        return (self.any or origin in self.exact
+                or (self.localhost and is_localhost_origin(origin)))
+
+
+class CorsPolicy:
+    """The CORS answer headers for allowed origins (module doc).
+
+    Args:
+        origins: who may read answers.
+        methods: what a preflight allows; empty: the route's methods.
+        headers: the request headers a preflight allows; empty: as asked.
+        credentials: allow credentialed requests (the origin is reflected).
+    """
+
+    def __init__(self, origins: OriginList, methods: tuple[str, ...] = (),
+                 headers: tuple[str, ...] = (), credentials: bool = False) -> None:
+        self.origins = origins
+        self.methods = ", ".join(methods)
+        self.headers = ", ".join(headers)
+        self.credentials = credentials
+
+    def process_response(self, req: falcon.Request, resp: falcon.Response,
+                         resource: object, req_succeeded: bool) -> None:
+        origin = req.get_header("Origin")
+        if origin is None or not self.origins.allows(origin):
+            return
+        if self.origins.any and not self.credentials:
+            resp.set_header("Access-Control-Allow-Origin", "*")
+        else:
+            resp.set_header("Access-Control-Allow-Origin", origin)
+            resp.append_header("Vary", "Origin")
+        if self.credentials:
+            resp.set_header("Access-Control-Allow-Credentials", "true")
+        resp.set_header("Access-Control-Expose-Headers", ", ".join(EXPOSED_HEADERS))
+        if (req_succeeded and req.method == "OPTIONS"
+                and req.get_header("Access-Control-Request-Method")):
+            self._preflight(req, resp)
+
+    def _preflight(self, req: falcon.Request, resp: falcon.Response) -> None:
+        allow = resp.get_header("Allow")  # the route's methods (Falcon's OPTIONS)
+        resp.delete_header("Allow")
+        if allow is None:  # no such route: grant nothing
+            for name in ("Access-Control-Allow-Origin", "Access-Control-Allow-Credentials",
+                         "Access-Control-Expose-Headers"):
+                resp.delete_header(name)
+            return
+        resp.set_header("Access-Control-Allow-Methods", self.methods or allow)
+        resp.set_header("Access-Control-Allow-Headers", self.headers or req.get_header(
+            "Access-Control-Request-Headers", default="*"))
+        resp.set_header("Access-Control-Max-Age", "86400")
+
+
+def cors_policy(settings) -> CorsPolicy | None:
+    """The middleware for a frontend's CORS settings
+    (``FrontendSettings.web_origins`` and the ``cors_*`` ones), or None when
+    no origin is allowed."""
+    origins = OriginList(settings.web_origins())
     if not origins:
         return None
-    allowed = "*" if origins == ("*",) else frozenset(origins)
-    return falcon.CORSMiddleware(allow_origins=allowed,
-                                 expose_headers=EXPOSED_HEADERS)
+    return CorsPolicy(origins, settings.cors_methods, settings.cors_headers,
+                      settings.cors_credentials)
 
 
 def split_host(value: str) -> tuple[str, int | None]:
@@ -147,12 +223,11 @@ class OriginCheckMiddleware:
     neither allowed (``origins``) nor the pool's own."""
 
     def __init__(self, origins: tuple[str, ...]) -> None:
-        self.any_origin = origins == ("*",)
-        self.origins = frozenset(origins)
+        self.origins = OriginList(origins)
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         origin = req.get_header("ORIGIN")
-        if (self.any_origin or origin is None or origin in self.origins
+        if (origin is None or self.origins.allows(origin)
                 or same_origin(origin, req.get_header("HOST"))):
             return
         raise OriginNotAllowed(origin)

@@ -29,6 +29,9 @@ Every default is documented in this one place.
 | LLAMAPOOL_CURVE_SERVER_KEY     | (none)         | broker's public .key (CURVE)  |
 | LLAMAPOOL_CURVE_SECRET_KEY     | (none)         | own .key_secret (CURVE)       |
 | LLAMAPOOL_CORS_ORIGINS         | (* with keys)  | web origins allowed (CORS)    |
+| LLAMAPOOL_CORS_METHODS         | (the route's)  | CORS methods (preflight)      |
+| LLAMAPOOL_CORS_HEADERS         | (as asked)     | CORS headers (preflight)      |
+| LLAMAPOOL_CORS_CREDENTIALS     | off            | CORS: allow credentials       |
 | LLAMAPOOL_ALLOWED_HOSTS        | (local, IPs)   | Host names served; 421 else   |
 | LLAMAPOOL_CACHE_SCOPE          | key            | prompt reuse: per key or pool |
 """
@@ -148,8 +151,31 @@ class FrontendSettings:
         shown="(* with keys)",
         flag="--cors-origins", parse=comma_list,
         help="comma-separated web origins allowed to call the API from a "
-             "browser, or '*' (llama.cpp's --cors-origins; default: '*' "
-             "with API keys, none without)")
+             "browser, '*', or 'localhost' for any page on this machine "
+             "(llama.cpp's --cors-origins forms; default: '*' with API keys, "
+             "none without)")
+    #: The methods and headers a preflight grants; empty: the route's
+    #: methods and the headers the page asked for (llama-server's ``*``).
+    cors_methods: tuple[str, ...] = setting(
+        (), "LLAMAPOOL_CORS_METHODS", "CORS methods (preflight)",
+        shown="(the route's)", flag="--cors-methods", parse=comma_list,
+        help="comma-separated methods a preflight allows (llama.cpp's "
+             "--cors-methods; default: the route's own)")
+    cors_headers: tuple[str, ...] = setting(
+        (), "LLAMAPOOL_CORS_HEADERS", "CORS headers (preflight)",
+        shown="(as asked)", flag="--cors-headers", parse=comma_list,
+        help="comma-separated request headers a preflight allows (llama.cpp's "
+             "--cors-headers; default: those the page asks for)")
+    #: Credentialed requests (cookies, HTTP auth) from allowed origins: the
+    #: origin is then reflected, never ``*``. Off by default, unlike
+    #: llama-server: the API's keys travel in headers a script sets, which
+    #: need no credentials mode, and reflecting every origin with
+    #: credentials is the pattern browsers' ``*`` rule exists to prevent.
+    cors_credentials: bool = setting(
+        False, "LLAMAPOOL_CORS_CREDENTIALS", "CORS: allow credentials",
+        shown="off", flag="--cors-credentials", const=True,
+        help="allow credentialed requests from allowed origins (llama.cpp's "
+             "--cors-credentials, on there by default)")
     #: Host names a request may be addressed to, besides the ones always
     #: served (``localhost``, ``*.localhost``, any IP address, this
     #: machine's name and the name ``--bind`` gives); ``*``: any. Another

@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPU ids: worker i sees only the (i mod N)-th "
                          "(CUDA_VISIBLE_DEVICES); with --gpu-layers")
     add_flags(up, FrontendSettings, ("api_keys", "api_key_file", "cache_scope",
-                                     "cors_origins", "allowed_hosts"))
+                                     "cors_origins", "cors_methods", "cors_headers",
+                                     "cors_credentials", "allowed_hosts"))
     add_flags(up, WorkerSettings, UP_WORKER_FLAGS)
 
     broker = sub.add_parser("broker", help="the broker alone")

@@ -52,7 +52,8 @@ UP_WORKER_FLAGS = ("n_threads", "pool_cores", "model_name", "embedding_batch_tok
 #: --api-key-file among them) and to the broker.
 UP_FRONTEND_FLAGS = ("api_keys", "api_key_file", "n_ctx", "chat_format",
                      "heartbeat_interval_s", "heartbeat_liveness", "cache_scope",
-                     "cors_origins", "allowed_hosts")
+                     "cors_origins", "cors_methods", "cors_headers",
+                     "cors_credentials", "allowed_hosts")
 UP_BROKER_FLAGS = ("heartbeat_interval_s", "heartbeat_liveness", "cancel_timeout_s")
 
 RESTART_BACKOFF_MAX_S = 30.0

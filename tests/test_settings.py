@@ -172,6 +172,9 @@ def test_a_flag_is_declared_once_and_hands_its_value_on(command, cls):
             values[f.name] = ("http://a.example", "http://b.example")
         elif f.name == "allowed_hosts":
             values[f.name] = ("pool.example", ".lan.example")
+        elif f.name in ("cors_methods", "cors_headers"):
+            values[f.name] = ("GET", "POST") if f.name == "cors_methods" \
+                else ("Authorization", "X-Custom")
         else:
             kind = type(f.default) if f.default is not dataclasses.MISSING else str
             values[f.name] = _OTHER.get(kind, "x")
