@@ -147,7 +147,7 @@ class BrokerLink(LinkHandler):
         msg = messages.Submit(job_id, request, prefix_blocks or [], id_slot,
                               origin.request_id[:limits.MAX_ID_CHARS],
                               origin.key[:limits.MAX_KEY_LABEL_CHARS],
-                              origin.trace)
+                              origin.trace, origin.client, origin.max_wait_s)
         frames = msg.to_wire()
         size = len(frames[2])
         if size > messages.Submit.LIMITS.max_bytes:

@@ -78,3 +78,14 @@ class CacheScope:
             return ""
         digest = hmac.new(self._secret, _framed(*parts), hashlib.sha256)
         return digest.hexdigest()[:TENANT_HEX_CHARS]
+
+    def client(self, key: str | None) -> str:
+        """The key as the broker's fair wait tells keys apart: the same
+        keyed hash, of the key alone and whatever the cache scope ("" for no
+        key), so every frontend names a key alike and the broker never
+        sees it."""
+        if not key:
+            return ""
+        digest = hmac.new(self._secret, _framed(b"client", _utf8(key)),
+                          hashlib.sha256)
+        return digest.hexdigest()[:TENANT_HEX_CHARS]

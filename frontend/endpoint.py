@@ -41,7 +41,7 @@ import falcon
 from frontend.auth import presented_key
 from frontend.cache_scope import CacheScope
 from frontend.client_socket import client_gone
-from frontend.errors import ClientGone
+from frontend.errors import BadRequest, ClientGone
 from frontend.generation import collect, start_job
 from frontend.interfaces import BrokerClient, JobOrigin, Shaper
 from frontend.job import Job
@@ -99,6 +99,30 @@ class Submission(Generic[Parsed]):
     prompt_text: str = ""
 
 
+#: The request header that caps its wait for a slot (seconds), where the
+#: broker lets jobs wait (``--queue-max``).
+MAX_WAIT_HEADER = "X-Max-Wait-S"
+
+
+def max_wait_s(req: falcon.Request) -> float:
+    """The request's ``X-Max-Wait-S`` (0: none given: the broker's timeout).
+
+    Raises:
+        BadRequest: not a number of seconds >= 0.
+    """
+    raw = req.get_header(MAX_WAIT_HEADER)
+    if raw is None:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise BadRequest(f"'{MAX_WAIT_HEADER}' must be a number of seconds >= 0",
+                         param=MAX_WAIT_HEADER)
+    return value
+
+
 class JobEndpoint(abc.ABC, Generic[Parsed]):
     """``on_post`` for an endpoint that runs one job: see the module's steps.
 
@@ -127,7 +151,7 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
         record.stream = submission.stream
         record.key_suffix = req.context.get("key_suffix", "-")
         self.refuse_if_gone(req)
-        job = self.submit(submission, record, resp)
+        job = self.submit(req, submission, record, resp)
         try:
             self.respond(req, resp, submission, job)
         except BaseException:
@@ -177,8 +201,8 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
         return dataclasses.replace(submission, generation=dataclasses.replace(
             generation, cache_tenant=tenant))
 
-    def submit(self, submission: Submission[Parsed], record: RequestRecord,
-               resp: falcon.Response) -> Job:
+    def submit(self, req: falcon.Request, submission: Submission[Parsed],
+               record: RequestRecord, resp: falcon.Response) -> Job:
         """Start the job with the frontend's timeouts; the record follows it
         (its outcome, and its lease's end), and the answer's headers name the
         slot and the process that holds the lease (for operators and fault
@@ -192,8 +216,12 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
             new_outcome=record.expect_job,
             on_release=record.lease_released,
             id_slot=submission.id_slot,
-            # For the broker's log lines about the job (issue 29, item 8).
-            origin=JobOrigin(record.request_id, record.key_suffix),
+            # For the broker's log lines about the job (issue 29, item 8),
+            # and its fair wait for a slot.
+            origin=JobOrigin(record.request_id, record.key_suffix,
+                             client=self.cache_scope.client(presented_key(req.get_header)),
+                             max_wait_s=max_wait_s(req)),
+            client_gone=lambda: client_gone(req),
         )
         record.slot_id = job.slot_id
         resp.set_header("X-Slot-Id", str(job.slot_id))

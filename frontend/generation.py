@@ -42,8 +42,12 @@ def start_job(
     on_release: Callable[[SlotLease], None] | None = None,
     id_slot: int = -1,
     origin: JobOrigin | None = None,
+    client_gone: Callable[[], bool] | None = None,
 ) -> Job:
     """Submit ``generation`` and wait for its first frame.
+
+    ``client_gone`` is asked while the job waits for a slot (the broker's
+    queue): a client that left ends it there (``ClientGone``).
 
     ``id_slot`` other than -1 asks the broker for that one slot. A job whose
     worker died before its first token (``worker_died`` as the first frame:
@@ -64,7 +68,7 @@ def start_job(
                        frame_timeout_s=frame_timeout_s,
                        credit_batch_frames=credit_batch_frames,
                        outcome=new_outcome(), on_release=on_release,
-                       id_slot=id_slot, origin=origin)
+                       id_slot=id_slot, origin=origin, client_gone=client_gone)
 
     try:
         return attempt()
@@ -96,6 +100,7 @@ def _submit(
     on_release: Callable[[SlotLease], None] | None,
     id_slot: int,
     origin: JobOrigin | None = None,
+    client_gone: Callable[[], bool] | None = None,
 ) -> Job:
     """One try of ``start_job``: a lease, SUBMIT, the answer, the first frame."""
     trace = job_trace(id_slot)  # None when tracing is off
@@ -111,7 +116,7 @@ def _submit(
         stream = link.submit(lease.job_id, generation, blocks, id_slot, origin)
         job = Job(lease, stream, send=link.send, frame_timeout_s=frame_timeout_s,
                   credit_batch_frames=credit_batch_frames, outcome=outcome)
-        answer = job.answer(submit_timeout_s)
+        answer = job.answer(submit_timeout_s, client_gone)
         if trace is not None:
             trace.answered(answer, stream)
         if answer is None:

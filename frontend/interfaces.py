@@ -40,6 +40,11 @@ class JobOrigin:
     #: The frontend's span for the job (``frontend.request_trace``); None:
     #: not traced.
     trace: TraceContext | None = None
+    #: The API key as the broker's fair wait tells keys apart (a keyed hash:
+    #: ``frontend.cache_scope.CacheScope.client``), and the request's own
+    #: cap on that wait (``X-Max-Wait-S``; 0: the broker's).
+    client: str = ""
+    max_wait_s: float = 0.0
 
 
 class FrameStream(Protocol):

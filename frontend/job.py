@@ -26,11 +26,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from frontend.errors import ClientGone
 from frontend.interfaces import FrameStream
 from frontend.lease import LeaseEnding, SlotLease
 from protocol import messages
 from protocol.errors import ErrorCode
 from protocol.payloads import Timings, Usage
+
+#: How often a job waiting for its slot asks whether its client is still there.
+WAIT_POLL_S = 0.1
 
 #: What the client reads when the worker sends nothing for the frame timeout.
 TIMEOUT_MESSAGE = "no output from the worker in time"
@@ -97,6 +101,8 @@ class Job:
         self.outcome = outcome
         self.slot_id: int | None = None
         self.model = ""
+        #: The broker's last QUEUED for the job, if it waited for a slot.
+        self.queued: messages.Queued | None = None
         self._stream = stream
         self._send = send
         self._frame_timeout_s = frame_timeout_s
@@ -108,13 +114,37 @@ class Job:
 
     # --- setup ---------------------------------------------------------------------
 
-    def answer(self, timeout_s: float) -> messages.Message | None:
+    def answer(self, timeout_s: float,
+               client_gone: Callable[[], bool] | None = None
+               ) -> messages.Message | None:
         """The broker's answer to SUBMIT, or None if none came in time.
 
         ACCEPTED names the slot. NO_SLOT and ERROR end the lease: the broker
-        holds nothing for this job, so there is nothing to cancel.
+        holds nothing for this job, so there is nothing to cancel. QUEUED
+        (the broker's wait for a slot) is no answer yet: it moves the
+        deadline to the end of the wait it names. ``client_gone`` is asked
+        every ``WAIT_POLL_S`` meanwhile.
+
+        Raises:
+            ClientGone: the client left; the lease ended as a disconnect,
+                whose CANCEL takes the job out of the broker's queue.
         """
-        msg = self._stream.get(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            msg = self._stream.get(max(0.0, min(left, WAIT_POLL_S)
+                                       if client_gone else left))
+            if msg is None:
+                if client_gone is not None and client_gone():
+                    self.lease.release(LeaseEnding.DISCONNECT)
+                    raise ClientGone()
+                if time.monotonic() < deadline:
+                    continue
+            elif isinstance(msg, messages.Queued):
+                self.queued = msg
+                deadline = max(deadline, time.monotonic() + msg.wait_s + timeout_s)
+                continue
+            break
         if isinstance(msg, messages.Accepted):
             self.slot_id, self.model = msg.slot_id, msg.model
         elif isinstance(msg, messages.NoSlot):

@@ -82,6 +82,7 @@ def merge_statuses(replies: list[tuple[int, PoolStatus]]) -> PoolStatus | None:
         stats=_sum_totals([s.stats for s in statuses]),
         # What a SUBMIT refused by every broker would be told: the soonest.
         retry_after_s=min(full) if full else min(s.retry_after_s for s in statuses),
+        jobs_waiting=sum(s.jobs_waiting for s in statuses),
     )
 
 
@@ -97,10 +98,12 @@ def _sum_totals(totals: list[PoolTotals]) -> PoolTotals:
         field.name: (max if field.name in _MAX_TOTALS else sum)(
             getattr(t, field.name) for t in totals)
         for field in dataclasses.fields(PoolTotals)
-        if field.name != "cancel_release_s"
+        if field.name not in ("cancel_release_s", "queue_wait_s")
     }
+    waits = [t.queue_wait_s for t in totals if t.queue_wait_s is not None]
     return PoolTotals(**merged, cancel_release_s=_sum_histograms(
-        [t.cancel_release_s for t in totals]))
+        [t.cancel_release_s for t in totals]),
+        queue_wait_s=_sum_histograms(waits) if waits else None)
 
 
 def _sum_histograms(hists: list[HistogramSnapshot]) -> HistogramSnapshot:

@@ -26,7 +26,7 @@ from frontend.settings import FrontendSettings
 from llamapool import curve_cli, probe, sd_notify
 from llamapool.exit_codes import ExitCode
 from llamapool.signals import StopFlag, dump_stacks_on_sigusr1
-from llamapool.supervisor import UP_WORKER_FLAGS
+from llamapool.supervisor import UP_QUEUE_FLAGS, UP_WORKER_FLAGS
 from llamapool.test_model import QUANTS as TEST_MODEL_QUANTS
 from protocol import tracing
 from protocol.curve import CurveKeyError, client_keys
@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "cors_origins", "cors_methods", "cors_headers",
                                      "cors_credentials", "allowed_hosts"))
     add_flags(up, WorkerSettings, UP_WORKER_FLAGS)
+    add_flags(up, BrokerSettings, UP_QUEUE_FLAGS)
 
     broker = sub.add_parser("broker", help="the broker alone")
     add_flags(broker, BrokerSettings)

@@ -54,7 +54,10 @@ UP_FRONTEND_FLAGS = ("api_keys", "api_key_file", "n_ctx", "chat_format",
                      "heartbeat_interval_s", "heartbeat_liveness", "cache_scope",
                      "cors_origins", "cors_methods", "cors_headers",
                      "cors_credentials", "allowed_hosts")
-UP_BROKER_FLAGS = ("heartbeat_interval_s", "heartbeat_liveness", "cancel_timeout_s")
+UP_BROKER_FLAGS = ("heartbeat_interval_s", "heartbeat_liveness", "cancel_timeout_s",
+                   "queue_max", "queue_max_tokens", "queue_timeout_s")
+#: ... of which these are the broker's alone (the others the workers share).
+UP_QUEUE_FLAGS = ("queue_max", "queue_max_tokens", "queue_timeout_s")
 
 RESTART_BACKOFF_MAX_S = 30.0
 STOP_TIMEOUT_S = 40.0

@@ -51,6 +51,7 @@ from protocol.payloads import (
 from protocol.prompt_cache import PromptCacheStatus
 from protocol.records import (
     COUNT,
+    NON_NEGATIVE,
     Count,
     MalformedMessage,
     OneOf,
@@ -248,6 +249,12 @@ class Submit(Message):
     job (``protocol.tracing``): the broker's and the worker's spans are its
     children. It changes no output either, so a peer that drops it only
     makes no spans; no version bump.
+    ``client`` names the API key for the broker's fair wait (a keyed hash,
+    never the key: ``frontend.cache_scope.client_id``; "" for none), and
+    ``max_wait_s`` is the request's own cap on that wait (its
+    ``X-Max-Wait-S``; 0: the broker's ``--queue-timeout-s``). A peer that
+    drops them treats every request as one client's, with the broker's
+    deadline.
     """
 
     job_id: Annotated[str, _ID]
@@ -257,6 +264,8 @@ class Submit(Message):
     request_id: Annotated[str, _ID] = ""
     key: Annotated[str, _KEY] = ""
     trace: TraceContext | None = None
+    client: Annotated[str, _ID] = ""
+    max_wait_s: Annotated[float, NON_NEGATIVE] = 0.0
 
 
 @_register(0x11)
@@ -274,6 +283,19 @@ class NoSlot(Message):
 
     job_id: str
     retry_after_s: float
+
+
+@_register(0x18)
+class Queued(Message):
+    """Broker -> frontend: no slot is free, and the job waits for one (the
+    broker's ``--queue-max``): ``position`` jobs are ahead of it (0: next),
+    and it waits at most ``wait_s`` more, then gets NO_SLOT. ACCEPTED or
+    NO_SLOT follows; a CANCEL takes it out of the queue. A frontend that
+    does not know it waits only its own submit timeout."""
+
+    job_id: str
+    position: Annotated[int, COUNT]
+    wait_s: Annotated[float, NON_NEGATIVE]
 
 
 @_register(0x13)

@@ -382,6 +382,9 @@ class PoolTotals(WireRecord):
     #: When these totals began (the broker's start, epoch seconds): what
     #: llama.cpp's ``Process-Start-Time-Unix`` header tells a scraper.
     started_at_unix: float = 0.0
+    #: How long jobs waited for a slot (``--queue-max``); None from a broker
+    #: that has no queue.
+    queue_wait_s: HistogramSnapshot | None = None
 
 
 @wire_record
@@ -404,6 +407,9 @@ class PoolStatus(WireRecord):
     stats: PoolTotals
     #: The hint a NO_SLOT would carry now.
     retry_after_s: float
+    #: Jobs waiting for a slot (``--queue-max``): llama.cpp's
+    #: ``requests_deferred``.
+    jobs_waiting: Annotated[int, COUNT] = 0
 
     @property
     def cancel_release_s(self) -> HistogramSnapshot:

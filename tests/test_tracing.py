@@ -51,15 +51,20 @@ def _decode(body: list) -> messages.Submit:
 # --- the wire ------------------------------------------------------------------------
 
 
-def test_submit_carries_the_trace_context_as_its_last_field():
+#: Where SUBMIT carries the trace: after the fields older peers know, before
+#: those added later (the fair wait's ``client`` and ``max_wait_s``).
+TRACE_AT = list(messages.Submit.FIELD_TYPES).index("trace")
+
+
+def test_submit_carries_the_trace_context_after_the_older_fields():
     msg = messages.Submit("j", REQUEST, trace=TraceContext(PARENT, "k=v"))
-    assert list(messages.Submit.FIELD_TYPES)[-1] == "trace"
+    assert list(messages.Submit.FIELD_TYPES)[TRACE_AT - 1] == "key"
     assert _decode(msg.to_body()) == msg
 
 
 def test_an_older_peers_submit_has_no_trace_and_a_newer_one_is_read():
     body = messages.Submit("j", REQUEST, trace=TraceContext(PARENT)).to_body()
-    assert _decode(body[:-1]).trace is None           # an older frontend's
+    assert _decode(body[:TRACE_AT]).trace is None     # an older frontend's
     assert _decode([*body, "a future field"]).trace == TraceContext(PARENT)
 
 
@@ -71,7 +76,7 @@ def test_an_older_peers_submit_has_no_trace_and_a_newer_one_is_read():
 ])
 def test_a_malformed_trace_context_is_refused_naming_the_field(trace, why):
     body = messages.Submit("j", REQUEST).to_body()
-    body[-1] = trace
+    body[TRACE_AT] = trace
     with pytest.raises(MalformedMessage, match=why):
         _decode(body)
 

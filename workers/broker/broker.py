@@ -31,6 +31,7 @@ unknown identity get DISCONNECT and register again, which rebuilds it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -53,6 +54,7 @@ from workers.broker.metrics import LatestSnapshotCollector
 from workers.broker.peer_sockets import PeerSockets
 from workers.broker.pool_stats import PoolStats
 from workers.broker.registration import WorkerRegistration
+from workers.broker.waiting_room import WaitingJobs
 from workers.broker.revocation import KeyRevocation
 from workers.broker.security import BrokerSecurity
 from workers.broker.settings import BrokerSettings
@@ -108,6 +110,8 @@ class Broker:
         self.step_down = ThreadStepDown(self)
         self.stuck_frontends = StuckFrontends(self)
         self.claim_checks = ClaimChecks(self)
+        #: Jobs that wait for a slot (``--queue-max``; off: NO_SLOT at once).
+        self.waiting = WaitingJobs(self)
         #: Spans of traced jobs (``job_traces``); None: tracing is off, and
         #: OpenTelemetry is not even imported.
         self.traces = None
@@ -165,7 +169,8 @@ class Broker:
         next_beat = time.monotonic()
         try:
             while not stop.is_set():
-                wake_at = min(next_beat, self.step_down.next_deadline() or next_beat)
+                wake_at = min(next_beat, self.step_down.next_deadline() or next_beat,
+                              self.waiting.next_deadline() or next_beat)
                 timeout_ms = max(0.0, wake_at - time.monotonic()) * 1000
                 ready = dict(poller.poll(min(timeout_ms, interval_s * 1000)))
                 if self.sockets.workers in ready:
@@ -176,6 +181,8 @@ class Broker:
                                 self._malformed_from_frontend)
                 self.stuck_frontends.drop()
                 now = time.monotonic()
+                if self.waiting.room.waiters:
+                    self.waiting.serve(now)
                 if self.step_down:
                     self.step_down.on_due(now)
                 if now >= next_beat:
@@ -323,7 +330,7 @@ class Broker:
         self, ident: bytes, msg: messages.Submit, raw: list[bytes], now: float
     ) -> None:
         self.counters.submitted += 1
-        if msg.job_id in self.ledger.jobs:
+        if msg.job_id in self.ledger.jobs or msg.job_id in self.waiting.room:
             self.to_frontend(ident, messages.Error(
                 msg.job_id, ErrorCode.DUPLICATE_JOB, "duplicate job id"))
             return
@@ -340,10 +347,19 @@ class Broker:
                     msg.job_id, ErrorCode.INVALID_SLOT, "Invalid slot ID"))
                 return
         if slot is None:
+            if self.waiting.wait(ident, msg, raw, blocks, now):
+                return
             self.counters.no_slot += 1
             self.to_frontend(
-                ident, messages.NoSlot(msg.job_id, self.ledger.retry_after_s(now)))
+                ident, messages.NoSlot(msg.job_id, self.waiting.retry_after_s(now)))
             return
+        self.start_job(ident, msg, raw, slot, now)
+
+    def start_job(self, ident: bytes, msg: messages.Submit, raw: list[bytes],
+                  slot: ledger_mod.WorkerSlot, now: float) -> None:
+        """A job that got ``slot`` (at once, or after waiting): to its worker,
+        and ACCEPTED to its frontend."""
+        self.waiting.on_start(msg, now)
         if slot.shared_blocks_at_assign:
             self.counters.routed_by_prefix += 1
         job = self.ledger.jobs[msg.job_id]
@@ -361,6 +377,8 @@ class Broker:
 
     def cancel(self, frontend: bytes, job_id: str, now: float) -> None:
         """The job's frontend asks to cancel it (or is gone)."""
+        if self.waiting.cancel(frontend, job_id):
+            return  # it was waiting: gone, and nothing ran for it
         job = self.ledger.jobs.get(job_id)
         if job is None or job.frontend != frontend:
             return  # already finished: the terminal frame crossed the cancel
@@ -431,6 +449,7 @@ class Broker:
 
     def _finish(self, job: ledger_mod.Job, msg: messages.Message, now: float) -> None:
         self.ledger.finish(job.job_id, now)
+        self.waiting.on_end(job.job_id, msg, now)
         self.stats.job_ended(msg, job.cancel_requested_at, now)
         slot = self.ledger.workers.get(job.worker)
         self.claim_checks.on_finish(slot, job, msg)
@@ -474,12 +493,14 @@ class Broker:
                     slot.slot_id, slot.info.pid, slot.info.host, code)
         if orphan is not None:
             self.stats.job_lost()
+            self.waiting.on_end(orphan.job_id, None, time.monotonic())
             self.fail_job(orphan, code, message)
 
     # --- liveness ----------------------------------------------------------------
 
     def frontend_gone(self, ident: bytes, now: float) -> None:
-        """Forget a frontend and cancel the jobs it held."""
+        """Forget a frontend and cancel the jobs it held (or left waiting)."""
+        self.waiting.frontend_gone(ident)
         for job in self.ledger.remove_frontend(ident):
             self._cancel_job(job, now)
 
@@ -513,4 +534,6 @@ class Broker:
         self.stuck_frontends.drop()
 
     def snapshot(self, now: float) -> PoolStatus:
-        return self.ledger.snapshot(now, self.counters.as_dict(), self.stats.totals())
+        snap = self.ledger.snapshot(now, self.counters.as_dict(), self.stats.totals())
+        return dataclasses.replace(snap, jobs_waiting=len(self.waiting.room),
+                                   retry_after_s=self.waiting.retry_after_s(now))

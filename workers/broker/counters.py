@@ -23,6 +23,12 @@ class BrokerCounters:
     # Jobs.
     submitted: int = 0
     no_slot: int = 0
+    #: Jobs that waited for a slot (``--queue-max``), and how waits ended
+    #: other than with a slot: the queue full, the deadline, the client gone.
+    queued: int = 0
+    queue_full: int = 0
+    queue_expired: int = 0
+    queue_left: int = 0
     finished: int = 0
     routed_by_prefix: int = 0
     tokens_relayed: int = 0

@@ -250,9 +250,7 @@ class Ledger:
         """
         if job_id in self.jobs:
             raise ValueError(f"duplicate job id {job_id!r}")
-        idle = [
-            w for w in self.workers.values() if w.state == IDLE and not w.draining
-        ]
+        idle = self.idle_slots()
         if not idle:
             return None
         blocks = prefix_blocks or []
@@ -343,6 +341,10 @@ class Ledger:
         return job
 
     # --- views -------------------------------------------------------------------
+
+    def idle_slots(self) -> list[WorkerSlot]:
+        """The slots a job can get now: idle and not draining."""
+        return [w for w in self.workers.values() if w.state == IDLE and not w.draining]
 
     def free_slots(self) -> int:
         return sum(

@@ -21,9 +21,9 @@ Where the pool differs from one llama-server process
   generated token), not ``llama_decode()`` calls: llama-cpp-python splits a
   prompt longer than ``n_batch`` into several.
 * Each worker decodes one sequence, so ``n_busy_slots_per_decode`` is 1 once
-  anything was decoded; nothing is queued (a full pool answers 503), so
-  ``requests_deferred`` is 0; there is no speculative decoding, so its
-  counters are 0.
+  anything was decoded; ``requests_deferred`` counts the jobs waiting for a
+  slot (``--queue-max``; 0 without a queue, where a full pool answers 503);
+  there is no speculative decoding, so its counters are 0.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def values(snapshot: PoolStatus) -> dict[str, float]:
         "predicted_tokens_seconds": _rate(t.tokens_generated_total,
                                           t.tokens_seconds_total),
         "requests_processing": snapshot.slots_busy,
-        "requests_deferred": 0,
+        "requests_deferred": snapshot.jobs_waiting,
         "n_busy_slots_per_decode": 1.0 if t.n_decode_total else 0.0,
     }
 

@@ -129,14 +129,39 @@ class PoolCollector:
                       "Held SUBMITs sent before every step-down was confirmed "
                       "(a worker was inside a long prompt batch)",
                       counters.step_down_waits_expired)
-        release = stats.cancel_release_s
-        buckets = [(str(b), c) for b, c in zip(release.buckets, release.cumulative)]
-        buckets.append(("+Inf", release.cumulative[-1]))
         yield HistogramMetricFamily(
             "llamapool_disconnect_release_seconds",
             "From cancel (client gone) to the slot being free in the ledger",
-            buckets=buckets, sum_value=release.sum,
+            buckets=_buckets(stats.cancel_release_s),
+            sum_value=stats.cancel_release_s.sum,
         )
+        yield gauge("llamapool_queue_depth",
+                    "Jobs waiting for a slot (--queue-max)", snap.jobs_waiting)
+        if stats.queue_wait_s is not None:
+            yield HistogramMetricFamily(
+                "llamapool_queue_wait_seconds",
+                "How long jobs that got a slot after waiting waited",
+                buckets=_buckets(stats.queue_wait_s),
+                sum_value=stats.queue_wait_s.sum)
+        yield counter("llamapool_queue_jobs_total",
+                      "Jobs that waited for a slot", counters.queued)
+        family = CounterMetricFamily(
+            "llamapool_queue_refused_total",
+            "Jobs refused a wait or whose wait ended without a slot, by why "
+            "(full: a bound; expired: the deadline; left: the client)",
+            labels=["reason"])
+        for reason, value in (("full", counters.queue_full),
+                              ("expired", counters.queue_expired),
+                              ("left", counters.queue_left)):
+            family.add_metric([reason], value)
+        yield family
+
+
+def _buckets(hist) -> list[tuple[str, int]]:
+    """A ``HistogramSnapshot``'s buckets as prometheus_client takes them."""
+    out = [(str(b), c) for b, c in zip(hist.buckets, hist.cumulative)]
+    out.append(("+Inf", hist.cumulative[-1]))
+    return out
 
 
 def model_slot_families(snap: PoolStatus):

@@ -21,6 +21,9 @@ RELEASE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
                      2.5, 5.0, 10.0)
 
 
+#: How long a job waited for a slot (``--queue-max``), seconds.
+QUEUE_WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
 #: Newest observations kept for p50/max and per-run figures.
 RECENT_WINDOW = 256
 
@@ -74,6 +77,7 @@ class PoolStats:
         self.tokens_seconds = 0.0
         self.cancelled = 0
         self.release_after_cancel = FixedHistogram(RELEASE_BUCKETS_S)
+        self.queue_wait = FixedHistogram(QUEUE_WAIT_BUCKETS_S)
         self.n_tokens_max = 0
         self.n_decode = 0
         self.started_at_unix = time.time()
@@ -120,4 +124,5 @@ class PoolStats:
             n_tokens_max=self.n_tokens_max,
             n_decode_total=self.n_decode,
             started_at_unix=self.started_at_unix,
+            queue_wait_s=self.queue_wait.snapshot(),
         )

@@ -18,6 +18,9 @@ the default (``protocol.settings.load``). Every default is documented here:
 | LLAMAPOOL_FIRST_FRAME_TIMEOUT_S      | 30.0       | job fails if its worker is mute  |
 | LLAMAPOOL_CANCEL_TIMEOUT_S           | 30.0       | stuck cancel: worker dropped     |
 | LLAMAPOOL_STEP_DOWN_WAIT_S           | 0.25       | SUBMIT waits for step-downs      |
+| LLAMAPOOL_QUEUE_MAX                  | 0          | jobs that may wait (0: 503 now)  |
+| LLAMAPOOL_QUEUE_MAX_TOKENS           | 0          | their prompt tokens (0: any)     |
+| LLAMAPOOL_QUEUE_TIMEOUT_S            | 30.0       | longest wait, then 503           |
 | LLAMAPOOL_ROUTING                    | prefix     | prefix or lru (see below)        |
 
 ``routing``: ``prefix`` gives a job to the idle worker that holds the most of
@@ -26,6 +29,15 @@ reports them, ``protocol.prompt_cache``), the least recently used one among
 equals; ``lru`` ignores prefixes (the least recently used idle worker), to
 measure what prefix routing gains. Either way a job never waits for a busy
 worker that holds its prefix: it goes to another idle one, or gets NO_SLOT.
+
+``queue_max``: with 0 (the default) a job that finds every slot busy gets
+NO_SLOT at once, the 503 the seed asks for. Above 0, up to that many jobs
+wait for a slot, and with them at most ``queue_max_tokens`` prompt tokens
+(0: no bound), each at most ``queue_timeout_s`` (or less, as its request
+asks); a job beyond a bound, or past its deadline, gets NO_SLOT with a
+Retry-After that counts the queue ahead. A freed slot goes to the key that
+had the least service lately, and among that key's jobs to the one whose
+prompt the slot's worker holds best (``workers.broker.waiting_room``).
 
 ``max_workers`` bounds the ledger (and with it every STATUS reply and the
 per-host restart table): a flood of fake registrations beyond it gets
@@ -135,6 +147,15 @@ class BrokerSettings:
     step_down_wait_s: float = setting(
         0.25, "LLAMAPOOL_STEP_DOWN_WAIT_S", "SUBMIT waits for step-downs",
         flag="--step-down-wait-s", parse=non_negative_float)
+    queue_max: int = setting(
+        0, "LLAMAPOOL_QUEUE_MAX", "jobs that may wait (0: 503 now)",
+        flag="--queue-max", parse=non_negative_int)
+    queue_max_tokens: int = setting(
+        0, "LLAMAPOOL_QUEUE_MAX_TOKENS", "their prompt tokens (0: any)",
+        flag="--queue-max-tokens", parse=non_negative_int)
+    queue_timeout_s: float = setting(
+        30.0, "LLAMAPOOL_QUEUE_TIMEOUT_S", "longest wait, then 503",
+        flag="--queue-timeout-s", parse=positive_float)
     routing: str = setting(
         "prefix", "LLAMAPOOL_ROUTING", "prefix or lru (see below)",
         flag="--routing", choices=ROUTING_POLICIES)
