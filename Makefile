@@ -52,7 +52,7 @@ soak: $(STAMP_TEST)
 	bench-thread-stepdown llama-server bench-cpu-per-token \
 	bench-llama-details bench-embeddings bench-conversations bench-prompt-state \
 	bench-ttft-hops bench-rounds bench-ab bench-handoff bench-native-bias \
-	bench-repack
+	bench-repack bench-overload
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -86,6 +86,11 @@ bench-ab: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_ab $(BENCH_ARGS)
 
 # Weight repacking on against off (--repack), in process, on this CPU.
+# Closed-loop clients against a pool that refuses at once and one that lets
+# jobs wait (--queue-max), and fairness between two keys (issue 31).
+bench-overload: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_overload $(BENCH_ARGS)
+
 bench-repack: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_repack $(BENCH_ARGS)
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import falcon
 
-from frontend import metrics, openai_schema, tracing
+from frontend import anthropic_api, metrics, openai_schema, tracing
+from frontend.anthropic_format import error_shape as anthropic_error_shape
 from frontend.auth import ApiKeyMiddleware
 from frontend.broker_link import BrokerLink
 from frontend.broker_pool import BrokerPool
@@ -35,7 +36,9 @@ from frontend.native_api import add_native_routes
 from frontend.openai_format import ResponseShaper
 from frontend.probes import add_probe_routes
 from frontend.prompt_gate import PromptGate
+from frontend.reasoning import reasoning_split
 from frontend.request_log import RequestLogMiddleware
+from frontend.responses_api import add_responses_routes
 from frontend.settings import FrontendSettings
 from frontend.web_page import add_page_routes
 from protocol.broker_list import split_endpoints
@@ -82,6 +85,9 @@ class GenerationResource(GenerationEndpoint[openai_schema.ParsedRequest]):
             parsed.include_usage,
             parsed.logprobs,
             tools=parsed.tools,
+            reasoning=reasoning_split(self.gate, submission.generation,
+                                      parsed.reasoning_format)
+            if self.kind == "chat" else None,
         )
 
 
@@ -300,7 +306,9 @@ def create_app(
     )
     app.req_options.strip_url_path_trailing_slash = True
     install_error_handlers(
-        app, refused_model=settings.model_name or DEFAULT_MODEL_NAME)
+        app, refused_model=settings.model_name or DEFAULT_MODEL_NAME,
+        # Anthropic's clients read its own error shape (a 401 included).
+        shapes=((anthropic_api.PATH, anthropic_error_shape),))
     gate = (
         PromptGate(settings.tokenizer_model, settings.chat_format, settings.n_ctx)
         if settings.tokenizer_model
@@ -320,6 +328,8 @@ def create_app(
     app.add_route("/embeddings", native_embeddings)
     app.add_route("/embedding", native_embeddings)  # llama.cpp's older name
     add_native_routes(app, link, settings, gate)
+    anthropic_api.add_anthropic_routes(app, link, settings, gate)
+    add_responses_routes(app, link, settings, gate)
     app.add_route("/slots", SlotsResource(link, settings))
     app.add_route("/metrics", MetricsResource(link, settings))
     add_probe_routes(app, link, settings)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable, Sequence
 
 import falcon
 
@@ -255,22 +256,39 @@ class NoSlotAvailable(Unavailable):
         return {"Retry-After": str(max(1, int(round(self.retry_after_s))))}
 
 
-def write_error(resp: falcon.Response, error: ApiError) -> None:
+#: An API family's own error shape: the status and body it answers an
+#: ``ApiError`` with (Anthropic's ``{"type": "error", ...}`` and its 529, in
+#: ``frontend.anthropic_format``). The table and the errors stay these.
+ErrorShape = Callable[[ApiError], tuple[int, dict]]
+
+
+def write_error(resp: falcon.Response, error: ApiError,
+                shape: ErrorShape | None = None) -> None:
     """Answer with ``error``: for the handlers below, and for responders that
-    answer an error without raising (the ledger views)."""
-    resp.status = error.status
+    answer an error without raising (the ledger views); in ``shape`` if the
+    request's API family has one."""
+    status, body = (error.status, error.body()) if shape is None else shape(error)
+    resp.status = status
     resp.content_type = falcon.MEDIA_JSON
-    resp.text = json.dumps(error.body())
+    resp.text = json.dumps(body)
     for name, value in error.headers().items():
         resp.set_header(name, value)
 
 
-def install_error_handlers(app: falcon.App, refused_model: str = "") -> None:
+def install_error_handlers(app: falcon.App, refused_model: str = "",
+                           shapes: Sequence[tuple[str, ErrorShape]] = ()) -> None:
     """The single place where exceptions become HTTP responses.
 
     ``refused_model`` labels the no-slot refusals
-    (``metrics.REQUESTS_REFUSED_NO_SLOT``).
+    (``metrics.REQUESTS_REFUSED_NO_SLOT``). ``shapes``: (path prefix, shape)
+    of the API families that answer errors in their own shape; a request
+    under such a prefix gets its errors so, a 401 or 404 included.
     """
+    def shape_of(req) -> ErrorShape | None:
+        return next((shape for prefix, shape in shapes
+                     if req.path == prefix or req.path.startswith(prefix + "/")),
+                    None)
+
     # The series exists at 0 from the start, so rate() sees the first
     # refusal as an increase rather than as a new series.
     metrics.REQUESTS_REFUSED_NO_SLOT.labels(refused_model)
@@ -280,14 +298,14 @@ def install_error_handlers(app: falcon.App, refused_model: str = "") -> None:
             metrics.REQUESTS_REJECTED.labels(ex.reject_reason).inc()
         if isinstance(ex, NoSlotAvailable):
             metrics.REQUESTS_REFUSED_NO_SLOT.labels(refused_model).inc()
-        write_error(resp, ex)
+        write_error(resp, ex, shape_of(req))
 
     def on_falcon_error(req, resp, ex: falcon.HTTPError, params) -> None:
         # Falcon's own errors (404, 405, ...) in the same OpenAI shape.
         error = ApiError(ex.title + (f": {ex.description}" if ex.description else ""))
         error.status = ex.status_code
         error.type = "invalid_request_error" if ex.status_code < 500 else "server_error"
-        write_error(resp, error)
+        write_error(resp, error, shape_of(req))
         for name, value in (ex.headers or {}).items():
             resp.set_header(name, value)
 
@@ -295,7 +313,7 @@ def install_error_handlers(app: falcon.App, refused_model: str = "") -> None:
         log.exception(
             "unhandled error in request %s", getattr(req.context, "request_id", "-")
         )
-        write_error(resp, ApiError("internal server error"))
+        write_error(resp, ApiError("internal server error"), shape_of(req))
 
     # Falcon picks the most specific handler, regardless of order.
     app.add_error_handler(Exception, on_unexpected)

@@ -10,6 +10,7 @@ import time
 
 from frontend.errors import http_form
 from frontend.logprob_format import CompletionLogprobs, chat_logprobs
+from frontend.reasoning import ReasoningSplit
 from frontend.tool_calls import split_calls
 from protocol import messages
 from protocol.payloads import Timings, TokenLogprob, Usage
@@ -55,12 +56,16 @@ class ResponseShaper:
         model: model name echoed back.
         include_usage: stream a usage chunk before ``[DONE]``.
         logprobs: choices carry ``logprobs`` (else null).
+        reasoning: splits the reasoning off the answer (``frontend.reasoning``),
+            shown under both names clients read, ``reasoning_content``
+            (llama.cpp's) and ``reasoning`` (vLLM's); None: the text is whole.
     """
 
     def __init__(self, kind: str, request_id: str, model: str,
                  include_usage: bool = False, logprobs: bool = False,
                  system_fingerprint: str | None = None,
-                 tools: bool = False) -> None:
+                 tools: bool = False,
+                 reasoning: ReasoningSplit | None = None) -> None:
         self.kind = kind
         self.chat = kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
@@ -77,6 +82,7 @@ class ResponseShaper:
         self.tools = tools and self.chat
         self._held_text: list[str] = []
         self._held_entries: list[TokenLogprob] = []
+        self._reasoning = reasoning if self.chat else None
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if not self.logprobs:
@@ -122,12 +128,30 @@ class ResponseShaper:
                              "delta": {"role": "assistant", "content": None},
                              "logprobs": None, "finish_reason": None}])
 
+    def _thought_chunk(self, thought: str, entries: list[TokenLogprob]) -> bytes:
+        if not thought:
+            return b""
+        delta = {"reasoning_content": thought, "reasoning": thought}
+        return self._role_chunk() + self._chunk([{
+            "index": 0, "delta": delta, "logprobs": self._logprobs(entries),
+            "finish_reason": None}])
+
     # --- streaming ---------------------------------------------------------------
 
     def text_event(self, text: str, entries: list[TokenLogprob] = (),
                    timings: Timings | None = None) -> bytes:
         """One chunk of output; ``timings`` so far when the request asked for
         them on every token (llama.cpp's ``timings_per_token``)."""
+        if self._reasoning is not None:
+            thought, text = self._reasoning.feed(text)
+            if not text:  # all reasoning (or held): the tokens go with it
+                return self._thought_chunk(thought, list(entries))
+            return self._thought_chunk(thought, []) + self._content_event(
+                text, entries, timings)
+        return self._content_event(text, entries, timings)
+
+    def _content_event(self, text: str, entries: list[TokenLogprob],
+                       timings: Timings | None) -> bytes:
         extra = {} if timings is None else {"timings": timings.public()}
         if self.tools:
             self._held_text.append(text)
@@ -162,6 +186,9 @@ class ResponseShaper:
         public = timings.public()
         entries = list(entries)
         out = self._role_chunk()
+        if self._reasoning is not None:
+            thought, text = self._whole_split(text)
+            out += self._thought_chunk(thought, [])
         if self.tools:
             entries = self._held_entries + entries
             calls, text, finish_reason = self._released_calls(
@@ -173,6 +200,14 @@ class ResponseShaper:
         if self.include_usage:
             out += self._chunk([], usage=usage.public(), timings=public)
         return out + b"data: [DONE]\n\n"
+
+    def _whole_split(self, text: str) -> tuple[str, str]:
+        """The rest of the output (all of it, for a whole answer) split."""
+        if self._reasoning is None:
+            return "", text
+        thought, content = self._reasoning.feed(text)
+        more_thought, more_content = self._reasoning.finish()
+        return thought + more_thought, content + more_content
 
     def text_frame_event(self, msg: messages.Token) -> bytes:
         """The event for a job's TOKEN frame (``frontend.sse``)."""
@@ -205,6 +240,7 @@ class ResponseShaper:
         finish_reason = final.finish_reason
         logprobs = self._logprobs(list(entries))
         if self.chat:
+            thought, text = self._whole_split(text)
             message: dict = {"role": "assistant", "content": text}
             if self.tools:
                 content, calls = split_calls(text)
@@ -212,6 +248,8 @@ class ResponseShaper:
                     message = {"role": "assistant", "content": content,
                                "tool_calls": calls}
                     finish_reason = _tool_finish(finish_reason)
+            if thought:
+                message.update(reasoning_content=thought, reasoning=thought)
             choice = {"index": 0, "message": message,
                       "logprobs": logprobs, "finish_reason": finish_reason}
         else:

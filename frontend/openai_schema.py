@@ -19,6 +19,7 @@ from typing import Any
 from frontend import field_policy, request_fields
 from frontend.errors import BadRequest
 from frontend.output_constraints import grammar_of
+from frontend.reasoning import reasoning_format, template_kwargs
 from frontend.request_fields import RequestFields, top_count
 from frontend.tool_calls import calls_as_text, tool_request
 from protocol.payloads import (
@@ -45,6 +46,8 @@ class ParsedRequest:
     #: Tools were offered: the answer is searched for calls
     #: (``frontend.tool_calls``).
     tools: bool = False
+    #: ``reasoning_format`` (``frontend.reasoning``); None: not given.
+    reasoning_format: str | None = None
 
     @property
     def logprobs(self) -> bool:
@@ -133,6 +136,21 @@ def _content_text(content: Any, where: str) -> str:
     raise BadRequest(f"{where}.content must be a string", param=f"{where}.content")
 
 
+def _history_reasoning(message: dict, role: str, where: str) -> str:
+    """An earlier assistant turn's reasoning, under either name clients
+    send it (llama.cpp's ``reasoning_content``, vLLM's ``reasoning``)."""
+    given = [(k, message[k]) for k in ("reasoning_content", "reasoning")
+             if message.get(k) is not None]
+    for name, value in given:
+        if not isinstance(value, str):
+            raise BadRequest(f"{where}.{name} must be a string",
+                             param=f"{where}.{name}")
+        if role != "assistant":
+            raise BadRequest(f"{where}.{name}: only an assistant message has "
+                             "reasoning", param=f"{where}.{name}")
+    return given[0][1] if given else ""
+
+
 def parse_chat(body: Any) -> ParsedRequest:
     """``POST /v1/chat/completions``."""
     fields = RequestFields(body)
@@ -155,7 +173,8 @@ def parse_chat(body: Any) -> ParsedRequest:
                                  "message makes tool calls",
                                  param=f"{where}.tool_calls")
             content += calls_as_text(message["tool_calls"], f"{where}.tool_calls")
-        chat.append(ChatMessage(role, content))
+        chat.append(ChatMessage(role, content,
+                                _history_reasoning(message, role, where)))
     if len(chat) >= 2 and chat[-1].role == chat[-2].role == "assistant":
         # llama.cpp's refusal, word for word (there, a final assistant
         # message is continued, and two of them leave no one to continue).
@@ -182,9 +201,11 @@ def parse_chat(body: Any) -> ParsedRequest:
         timings_per_token=request_fields.timings_per_token(fields, stream),
         tools=json.dumps(tools.tools) if tools.active else "",
         cache_tenant=request_fields.cache_salt(fields),
+        chat_template_kwargs=template_kwargs(fields),
     )
     request_fields.check_stops_with_logprobs(generation)
     model = request_fields.model(fields)
+    split = reasoning_format(fields)
     fields.finish(field_policy.DEFAULT)
     return ParsedRequest(generation, stream, include_usage, model,
-                         tools=tools.active)
+                         tools=tools.active, reasoning_format=split)

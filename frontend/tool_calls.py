@@ -55,6 +55,14 @@ _CALL_BLOCK = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
+def tool_name(name: Any, where: str) -> str:
+    """A tool's name, as every API here allows it; else a 400 naming ``where``."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise BadRequest(f"{where} must be 1-64 letters, digits, '_', '.' or '-'",
+                         param=where)
+    return name
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolRequest:
     """What a chat request asks of tools."""
@@ -133,8 +141,13 @@ def tool_request(body: RequestFields) -> ToolRequest:
     if body.get("functions") is not None or body.get("function_call") is not None:
         raise BadRequest("'functions' is OpenAI's deprecated form; use 'tools'",
                          param="functions")
-    tools = body.get("tools")
-    choice = body.get("tool_choice")
+    return offered_tools(body.get("tools"), body.get("tool_choice"))
+
+
+def offered_tools(tools: Any, choice: Any) -> ToolRequest:
+    """``tools`` and ``tool_choice`` in chat's shape, checked: the other APIs
+    (``frontend.anthropic_schema``, ``frontend.responses_schema``) check
+    their own shapes and hand them over in this one."""
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
             raise BadRequest("'tool_choice' needs 'tools'", param="tool_choice")

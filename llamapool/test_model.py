@@ -49,6 +49,28 @@ TOOLS_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+#: A reasoning model's template, in Qwen3's manner: the assistant turn opens
+#: ``<think>`` in the prompt (the model reasons first, ``frontend.reasoning``)
+#: unless ``enable_thinking`` is false, when it writes an empty reasoning;
+#: an earlier turn's ``reasoning_content`` is shown again; tools as above.
+REASONING_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|im_start|>system\nYou may call these functions. To call "
+    "one, answer <tool_call>{\"name\": <name>, \"arguments\": <object>}"
+    "</tool_call>.\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message.reasoning_content %}<think>\n{{ message.reasoning_content }}"
+    "\n</think>\n\n{% endif %}"
+    "{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}"
+)
+
 _WORDS = (
     "the a an and of to in is it you I am are how hi Hello hello world test "
     "model this that with for on at be we they he she not yes no what why "
@@ -191,7 +213,8 @@ def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
         path: Destination file; overwritten if it exists.
         seed: Seed for the weights; same seed gives a byte-identical file.
         chat_template: ``tokenizer.chat_template`` (``TOOLS_CHAT_TEMPLATE``:
-            one that renders tools).
+            one that renders tools; ``REASONING_CHAT_TEMPLATE``: one that
+            reasons).
         fim: Also give it fill-in-the-middle tokens (``FIM_PIECES``), for
             ``/infill``; the default model has none, like most chat models.
         quant: One of ``QUANTS``: the layers' weight type.

@@ -65,10 +65,16 @@ class ChatMessage(WireRecord):
 
     role: Annotated[str, OneOf(*CHAT_ROLES)]
     content: str
+    #: An assistant turn's reasoning, sent back by the client (""): the
+    #: templates of reasoning models read it as ``reasoning_content``.
+    reasoning_content: str = ""
 
     def as_dict(self) -> dict:
         """The OpenAI-style dict chat templates render."""
-        return {"role": self.role, "content": self.content}
+        turn = {"role": self.role, "content": self.content}
+        if self.reasoning_content:
+            turn["reasoning_content"] = self.reasoning_content
+        return turn
 
 
 @wire_record
@@ -164,6 +170,10 @@ class GenerationRequest(WireRecord):
     #: state or its live sequence only for the tenant that made it, and the
     #: prefix fingerprints are in this scope (``protocol.prefix``).
     cache_tenant: Annotated[str, Text(limits.MAX_ID_CHARS)] = ""
+    #: Chat only: llama.cpp's ``chat_template_kwargs``, a JSON object of
+    #: variables for the chat template (``{"enable_thinking": false}``);
+    #: "" for none. Checked by the frontend (``frontend.reasoning``).
+    chat_template_kwargs: str = ""
 
 
 # --- log-probabilities of generated tokens (TOKEN, FINAL) -------------------------

@@ -158,6 +158,8 @@ class Server:
         return Path(self.log.name).read_text(errors="replace")[-3000:]
 
     def stop(self) -> None:
+        if self.log.closed:
+            return  # stopped already (an early stop, then the exit stack's)
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
             try:

@@ -31,6 +31,13 @@ __all__ = ["PromptBuilder", "PromptError", "PromptTooLong", "TokenizeCancelled",
 #: Name of the chat format that means "the Jinja template in the GGUF".
 TEMPLATE_CHAT_FORMAT = "template"
 
+#: The variables llama-cpp-python's Jinja formatter sets itself: a
+#: ``chat_template_kwargs`` entry may not replace them.
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "messages", "tools", "tool_choice", "functions", "function_call",
+    "bos_token", "eos_token", "add_generation_prompt", "raise_exception",
+    "strftime_now"})
+
 
 class PromptError(ValueError):
     """The request's messages cannot be rendered."""
@@ -49,6 +56,9 @@ class PromptBuilder:
         self.llama = llama
         #: Whether ``tools`` reach the prompt (see ``ToolsUnsupported``).
         self.renders_tools = False
+        #: The GGUF's Jinja template, "" with a named chat format (which
+        #: takes no template variables).
+        self.template = ""
         self._format_chat = self._chat_formatter(chat_format)
         #: llama-cpp-python's "gemma" format drops system messages (it only
         #: logs so, at debug level): they are folded into the first user
@@ -70,6 +80,7 @@ class PromptBuilder:
                 model = llama_internals.model_wrapper(self.llama)
                 eos, bos = model.token_eos(), model.token_bos()
                 self.renders_tools = "tools" in template
+                self.template = template
                 return llama_chat_format.Jinja2ChatFormatter(
                     template=template,
                     eos_token=model.token_get_text(eos) if eos != -1 else "",
@@ -84,7 +95,8 @@ class PromptBuilder:
                 return formatter
         raise ValueError(f"unknown chat format {chat_format!r}")
 
-    def render_chat(self, messages: list[ChatMessage], tools: str = ""):
+    def render_chat(self, messages: list[ChatMessage], tools: str = "",
+                    template_kwargs: str = ""):
         """The chat prompt for ``messages`` (and ``tools``, OpenAI's list as
         JSON text, "" for none), as the chat endpoint renders it
         (llama-cpp-python's ``ChatFormatterResponse``: ``prompt``, ``stop``,
@@ -105,6 +117,7 @@ class PromptBuilder:
                 extra["tools"] = json.loads(tools)
             except ValueError:  # the frontend sends JSON; a peer might not
                 raise PromptError("'tools' is not JSON") from None
+        extra.update(self._template_variables(template_kwargs))
         turns = [m.as_dict() for m in messages]
         if self._fold_system:
             turns = fold_system_messages(turns)
@@ -112,6 +125,28 @@ class PromptBuilder:
             return self._format_chat(messages=turns, **extra)
         except Exception as exc:  # a template error is about the input
             raise PromptError(str(exc)) from None
+
+    def _template_variables(self, template_kwargs: str) -> dict:
+        """``chat_template_kwargs`` (a JSON object as text) for the template.
+        A variable the template never names would change nothing, and a
+        named chat format takes none: both are refused, not ignored."""
+        if not template_kwargs:
+            return {}
+        try:
+            variables = json.loads(template_kwargs)
+        except ValueError:  # the frontend sends JSON; a peer might not
+            raise PromptError("'chat_template_kwargs' is not JSON") from None
+        if not isinstance(variables, dict):
+            raise PromptError("'chat_template_kwargs' must be an object")
+        if not self.template:
+            raise PromptError("'chat_template_kwargs' needs the model's own "
+                              "chat template; this pool uses a named chat format")
+        unread = next((k for k in variables if k in RESERVED_TEMPLATE_NAMES
+                       or k not in self.template), None)
+        if unread is not None:
+            raise PromptError(f"'chat_template_kwargs': the chat template does "
+                              f"not read {unread[:64]!r}")
+        return variables
 
     def tokenize_text(self, text: str, *, limit: int, add_special: bool = True,
                       parse_special: bool = True,
@@ -182,7 +217,8 @@ class PromptBuilder:
             TokenizeCancelled: ``should_stop`` turned true on the way.
         """
         if request.kind == CHAT:
-            rendered = self.render_chat(request.messages, request.tools)
+            rendered = self.render_chat(request.messages, request.tools,
+                                        request.chat_template_kwargs)
             stops = rendered.stop or []
             stops = [stops] if isinstance(stops, str) else list(stops)
             tokens = self._tokenizer.tokenize(

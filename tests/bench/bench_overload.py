@@ -1,0 +1,126 @@
+"""Overload without refusal (issue 31): closed-loop clients that do not retry,
+against a pool that refuses at once and one whose broker lets jobs wait.
+
+    python -m tests.bench.bench_overload            # make bench-overload
+
+Side by side in one run, on the default model (or ``--model``), ``up`` with
+``--workers 2``:
+
+1. **Overload.** ``--clients`` closed-loop clients (each sends its next
+   request when the last one ends, a 503 counts as failed) x
+   ``--requests-each`` requests of ``--tokens`` tokens: completed tokens/s,
+   the share of requests failed, TTFT p50/p99. For llamapool without a queue
+   (503 at once, the seed's rule), with ``--queue-max``, and llama-server
+   ``-np 2`` when its binary is built (``make llama-server``).
+2. **Fairness.** With the queue on, key A runs 6 concurrent streams and key
+   B one; B's TTFT against A's. Least-recent-service fairness should keep
+   B's near one job's length; first come, first served would put B behind
+   A's whole backlog.
+
+Say which CPU the figures come from (``grep -c amx /proc/cpuinfo``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import os
+import platform
+
+from tests.bench import llama_server as llama_server_build
+from tests.bench.harness import (
+    llama_server,
+    llamapool_up,
+    md_table,
+    model_path,
+    run_load,
+    warm_up,
+)
+
+KEY_A, KEY_B = "sk-bench-a", "sk-bench-b"
+PROMPT = "Write a short story about a lighthouse keeper."
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.startswith("model name")), "unknown CPU")
+    return f"{name}, {os.cpu_count()} cores, AMX: {'yes' if 'amx_tile' in text else 'no'}"
+
+
+def overload_row(name: str, url: str, args, api_key: str | None = None) -> list:
+    report = run_load(url, concurrency=args.clients,
+                      requests=args.clients * args.requests_each,
+                      max_tokens=args.tokens, prompt=PROMPT, ignore_eos=True,
+                      api_key=api_key)
+    sent = report["requests_sent"]
+    failed = sent - report["requests_completed"]
+    ttft = report["ttft_ms"]
+    return [name, f"{report['output_tokens_per_s']:.1f}",
+            f"{100 * failed / sent:.0f}% ({failed} of {sent})",
+            f"{ttft.get('p50', 0):.0f} / {ttft.get('p99', 0):.0f}"]
+
+
+def fairness_rows(url: str, args) -> list[list]:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        a = pool.submit(run_load, url, concurrency=6, requests=6 * args.requests_each,
+                        max_tokens=args.tokens, prompt=PROMPT, ignore_eos=True,
+                        api_key=KEY_A)
+        b = pool.submit(run_load, url, concurrency=1, requests=args.requests_each,
+                        max_tokens=args.tokens, prompt=PROMPT, ignore_eos=True,
+                        api_key=KEY_B)
+        reports = {"A (6 streams)": a.result(), "B (1 stream)": b.result()}
+    return [[name, f"{r['ttft_ms'].get('p50', 0):.0f}", f"{r['ttft_ms'].get('p99', 0):.0f}",
+             r["requests_completed"], r["requests_sent"] - r["requests_completed"],
+             f"{r['latency_ms'].get('p50', 0):.0f}"]
+            for name, r in reports.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests-each", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", default="1", help="per worker (up's --threads)")
+    args = parser.parse_args()
+    model = model_path(args.model)
+    keys = ("--api-key", KEY_A, "--api-key", KEY_B)
+    queue = ("--queue-max", str(4 * args.clients), "--queue-timeout-s", "300")
+    rows = []
+    with contextlib.ExitStack() as stack:
+        refusing, url = llamapool_up(model, 2, args.threads)
+        stack.callback(refusing.stop)
+        warm_up(url, 2, PROMPT)
+        rows.append(overload_row("llamapool, 503 at once (default)", url, args))
+        refusing.stop()
+        waiting, url = llamapool_up(model, 2, args.threads, extra=(*keys, *queue))
+        stack.callback(waiting.stop)
+        rows.append(overload_row(f"llamapool, --queue-max {4 * args.clients}", url,
+                                 args, api_key=KEY_A))
+        fair = fairness_rows(url, args)
+        waiting.stop()
+        if llama_server_build.binary_path().exists():
+            server, url = llama_server(model, 2, 2)
+            stack.callback(server.stop)
+            rows.append(overload_row("llama-server -np 2 -t 2", url, args))
+        else:
+            rows.append(["llama-server -np 2 -t 2", "not built (make llama-server)",
+                         "-", "-"])
+    print(f"\n## Overload: {args.clients} clients x {args.requests_each} requests of "
+          f"{args.tokens} tokens, 2 slots ({cpu_name()})\n")
+    print(md_table(["server", "completed tokens/s", "requests failed",
+                    "TTFT p50 / p99, ms"], rows))
+    print("\n## Fairness with the queue on: key A 6 streams, key B 1\n")
+    print(md_table(["key", "TTFT p50, ms", "TTFT p99, ms", "completed", "failed",
+                    "latency p50, ms"], fair))
+
+
+if __name__ == "__main__":
+    main()
