@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="broker + N workers + gunicorn on this machine")
     up.add_argument("--model", help="GGUF path (default: Gemma 3 270M, assembled)")
     up.add_argument("--workers", type=positive_int, default=2)
+    up.add_argument("--slots-per-worker", type=positive_int, default=1,
+                    help="slots in each worker, decoded as one batch "
+                         "(the worker's --slots; default 1)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8080)
     up.add_argument("--gpus", type=_gpu_list, default=None, metavar="0,1",
@@ -263,8 +266,11 @@ def run_worker(args: argparse.Namespace) -> int:
                      settings.model_path)
     tracing.configure("worker")
     try:
-        worker = ModelWorker(settings, lambda: load_engine(settings),
-                             notifier=sd_notify.Notifier())
+        worker_class = ModelWorker
+        if settings.n_slots > 1:  # one batched context, K slots in the ledger
+            from workers.model.batched_worker import BatchedWorker as worker_class
+        worker = worker_class(settings, lambda: load_engine(settings),
+                              notifier=sd_notify.Notifier())
     except CurveKeyError as exc:
         return _fail(log, ExitCode.CURVE_KEYS, "%s", exc)
     stop = StopFlag().install()

@@ -267,9 +267,11 @@ def run_up(args: argparse.Namespace) -> int:
            "--log-format", args.log_format]
     # Flags not given are not passed: each child then reads the same
     # LLAMAPOOL_* variable, or falls back to the same default.
+    slots = getattr(args, "slots_per_worker", 1)
     worker_argv = [*cli, "worker", "--broker", workers_ep, "--model", model,
                    *as_argv(WorkerSettings,
-                            given_flags(args, WorkerSettings, UP_WORKER_FLAGS))]
+                            given_flags(args, WorkerSettings, UP_WORKER_FLAGS)),
+                   *(("--slots", str(slots)) if slots > 1 else ())]
     frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
                      "--bind", f"{args.host}:{args.port}", "--model", model,
                      *as_argv(FrontendSettings,
@@ -304,7 +306,9 @@ def run_up(args: argparse.Namespace) -> int:
                 log.error("the pool cannot run; stopping")
                 return code
             if not announced and _health_ok(url + "/health"):
-                print(f"llamapool ready at {url}/v1 ({args.workers} workers, "
+                shape = (f"{args.workers} workers" if slots == 1 else
+                         f"{args.workers} workers x {slots} slots")
+                print(f"llamapool ready at {url}/v1 ({shape}, "
                       f"model {os.path.basename(model)}); web page at {url}/",
                       flush=True)
                 announced = True

@@ -225,8 +225,11 @@ class Pool:
                  global_args: tuple[str, ...] = (),
                  frontend_tokenizes: bool = True,
                  broker_args: tuple[str, ...] = (),
-                 worker_env: dict | None = None) -> None:
+                 worker_env: dict | None = None,
+                 slots_per_worker: int = 1) -> None:
         self.model_path = model_path
+        #: Each worker's ``--slots``: the ledger holds this many per worker.
+        self.slots_per_worker = slots_per_worker
         self.run_dir = run_dir
         self.frontends_ep = f"ipc://{run_dir}/frontends"
         self.workers_ep = f"ipc://{run_dir}/workers"
@@ -262,7 +265,7 @@ class Pool:
             )
             self.probe = BrokerProbe(self.frontends_ep)
             if wait_ready:
-                self.wait_free(workers, timeout_s=60)
+                self.wait_free(workers * slots_per_worker, timeout_s=60)
                 wait_until(self.http_up, 60, "gunicorn to answer /health")
         except BaseException as exc:
             # No process (and no probe's context) outlives a pool that never
@@ -286,6 +289,8 @@ class Pool:
             f"worker{self._worker_serial}",
             cli("worker", "--broker", self.workers_ep, "--model", str(self.model_path),
                 "--threads", "1", "--ctx", "2048", *TEST_HEARTBEAT,
+                *(("--slots", str(self.slots_per_worker))
+                  if self.slots_per_worker > 1 else ()),
                 *self.worker_args),
             self.run_dir,
             env={**os.environ, **self.worker_env} if self.worker_env else None,
@@ -325,7 +330,8 @@ class Pool:
 
     def assert_whole(self, timeout_s: float = 15.0) -> dict:
         """Free slots return to the number of live workers."""
-        return self.wait_free(self.live_workers(), timeout_s)
+        return self.wait_free(self.live_workers() * self.slots_per_worker,
+                              timeout_s)
 
     def _procs(self) -> list[Proc]:
         frontend = [self.frontend] if self.frontend is not None else []

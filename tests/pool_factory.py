@@ -71,6 +71,7 @@ class PoolOptions:
     broker_args: tuple[str, ...] = ()
     worker_env: tuple[tuple[str, str], ...] = ()
     wait_ready: bool = True
+    slots_per_worker: int = 1
 
     def __post_init__(self) -> None:
         for name in ("frontend_env", "worker_env"):
@@ -87,7 +88,8 @@ class PoolOptions:
                     frontend_tokenizes=self.frontend_tokenizes,
                     broker_args=self.broker_args,
                     worker_env=dict(self.worker_env) or None,
-                    wait_ready=self.wait_ready)
+                    wait_ready=self.wait_ready,
+                    slots_per_worker=self.slots_per_worker)
 
 
 def module_of(nodeid: str) -> str:
@@ -218,7 +220,8 @@ class PoolFactory:
             return True
         snap = pool.probe.status(timeout_s=5.0)
         return (snap is not None
-                and snap["slots_total"] == snap["slots_free"] == options.workers)
+                and snap["slots_total"] == snap["slots_free"]
+                == options.workers * options.slots_per_worker)
 
     def _make_room(self) -> None:
         """Stop idle pools while one more would exceed ``keep_running``: the

@@ -74,6 +74,10 @@ class ActiveJob:
         self._threads_in_use = 0
         #: The last budget (sequence number) confirmed to the broker.
         self._confirmed_budget = -1
+        #: Called (in the link thread) after a cancel or new credit: a
+        #: batched worker's decode loop, which never blocks on one job's
+        #: credit, waits on it when every job it runs is paused.
+        self.on_change: Callable[[], None] | None = None
 
     # --- called by the link thread -----------------------------------------------
 
@@ -87,11 +91,15 @@ class ActiveJob:
         self._cancelled.set()
         with self._credit_changed:
             self._credit_changed.notify_all()
+        if self.on_change is not None:
+            self.on_change()
 
     def add_credit(self, frames: int) -> None:
         with self._credit_changed:
             self._credit += max(0, frames)
             self._credit_changed.notify_all()
+        if self.on_change is not None:
+            self.on_change()
 
     # --- JobSink, called by the engine in the main thread ------------------------
 
@@ -138,6 +146,36 @@ class ActiveJob:
                     self.pauses += 1
                 self._paused_since = None
         return not self._cancelled.is_set()
+
+    def poll_credit(self, now: float) -> bool | None:
+        """``wait_for_credit`` that never blocks, for a decode loop that runs
+        other jobs meanwhile: True: a frame may go; None: paused, within the
+        stall timeout (heartbeats say so, as they do for a blocked wait);
+        False: give up (cancelled, or stalled past the timeout)."""
+        with self._credit_changed:
+            cancelled = self._cancelled.is_set()
+            if self._credit > 0 or cancelled:
+                self._end_pause(now)
+                return not cancelled
+            if self._paused_since is None:
+                self._paused_since = now
+            elif now - self._paused_since >= self._stall_timeout_s:
+                self.stalled = True
+                self._end_pause(now)
+                return False
+            return None
+
+    def pause_ends_at(self) -> float | None:
+        """When a paused job's stall timeout runs out (monotonic); None
+        while it is not paused."""
+        since = self._paused_since
+        return None if since is None else since + self._stall_timeout_s
+
+    def _end_pause(self, now: float) -> None:
+        if self._paused_since is not None:
+            self.paused_s += now - self._paused_since
+            self.pauses += 1
+            self._paused_since = None
 
     def _confirm_budget(self) -> ThreadBudget | None:
         """Tell the broker the current thread budget is in force from the next

@@ -20,8 +20,23 @@ def load_engine(settings: WorkerSettings) -> Engine:
             n_ctx=settings.n_ctx,
             model_name=settings.model_name or None,
         )
-    from workers.model.llama_engine import LlamaEngine
     from workers.model.weight_repack import repack_enabled
+
+    if settings.n_slots > 1:
+        from workers.model.batched_engine import BatchedEngine
+
+        return BatchedEngine(
+            settings.model_path,
+            n_slots=settings.n_slots,
+            n_ctx=settings.n_ctx,
+            n_threads=settings.starting_threads,
+            chat_format=settings.chat_format,
+            model_name=settings.model_name or None,
+            n_gpu_layers=settings.gpu_layers,
+            flash_attn=settings.flash_attn == "on",
+            repack=repack_enabled(settings.repack),
+        )
+    from workers.model.llama_engine import LlamaEngine
 
     return LlamaEngine(
         settings.model_path,

@@ -80,6 +80,38 @@ def gpu_placement(llama: llama_cpp.Llama) -> GpuPlacement:
                         devices=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
 
 
+def prompt_tokens(llama: llama_cpp.Llama, prompts: PromptBuilder, n_ctx: int,
+                  request: GenerationRequest, should_stop,
+                  ) -> tuple[list[int], list[str]]:
+    """A request's prompt tokens and extra stop strings (see
+    ``LlamaEngine._prompt_tokens``; the batched engine shares it).
+
+    Raises:
+        RequestRejected: invalid token ids, messages or tools, or a prompt
+            that fills ``n_ctx``.
+        TokenizeCancelled: ``should_stop`` turned true on the way.
+    """
+    given = request.prompt_tokens
+    if given is not None:
+        n_vocab = llama.n_vocab()
+        # Never trust token ids from the network: llama.cpp aborts on some
+        # out-of-range ids instead of returning an error. (That they are
+        # ints was checked on decode; the range needs the vocabulary.)
+        if not given or not all(0 <= t < n_vocab for t in given):
+            raise RequestRejected(ErrorCode.INVALID_PROMPT_TOKENS,
+                                  "prompt_tokens must be valid token ids")
+        return given, request.extra_stops
+    try:
+        return prompts.tokens(request, n_ctx, should_stop)
+    except ToolsUnsupported as exc:
+        raise RequestRejected(ErrorCode.TOOLS_UNSUPPORTED, str(exc)) from None
+    except PromptError as exc:
+        raise RequestRejected(ErrorCode.INVALID_MESSAGES, str(exc)) from None
+    except PromptTooLong as exc:
+        raise RequestRejected.context_exceeded(
+            exc.at_least, exc.n_ctx, exc.exact) from None
+
+
 class LlamaEngine:
     """Serves one request at a time from one ``llama_cpp.Llama``."""
 
@@ -151,25 +183,8 @@ class LlamaEngine:
         (raises ``TokenizeCancelled``), so a client that gives up on a long
         prompt frees the slot without waiting for the whole prompt.
         """
-        given = request.prompt_tokens
-        if given is not None:
-            n_vocab = self.llama.n_vocab()
-            # Never trust token ids from the network: llama.cpp aborts on some
-            # out-of-range ids instead of returning an error. (That they are
-            # ints was checked on decode; the range needs the vocabulary.)
-            if not given or not all(0 <= t < n_vocab for t in given):
-                raise RequestRejected(ErrorCode.INVALID_PROMPT_TOKENS,
-                                      "prompt_tokens must be valid token ids")
-            return given, request.extra_stops
-        try:
-            return self.prompts.tokens(request, self.n_ctx, sink.should_stop)
-        except ToolsUnsupported as exc:
-            raise RequestRejected(ErrorCode.TOOLS_UNSUPPORTED, str(exc)) from None
-        except PromptError as exc:
-            raise RequestRejected(ErrorCode.INVALID_MESSAGES, str(exc)) from None
-        except PromptTooLong as exc:
-            raise RequestRejected.context_exceeded(
-                exc.at_least, exc.n_ctx, exc.exact) from None
+        return prompt_tokens(self.llama, self.prompts, self.n_ctx, request,
+                             sink.should_stop)
 
     # --- generation --------------------------------------------------------------
 

@@ -52,6 +52,34 @@ class EngineLlama(LogitBiasLlama):
         self._model_params = params
 
 
+class BatchLlama(EngineLlama):
+    """An ``EngineLlama`` whose context holds ``n_seq_max`` sequences (a
+    batched worker's slots), each with its own part of the KV cache.
+    ``Llama.__init__`` has no argument for it: the field is set as the
+    context params are assigned, before any field of them is read, and
+    nothing after (but an embedding model's setup) writes it."""
+
+    def __init__(self, *args, n_seq_max: int, **kwargs) -> None:
+        self._n_seq_max = n_seq_max
+        super().__init__(*args, **kwargs)
+
+    @property
+    def context_params(self):
+        return self._context_params
+
+    @context_params.setter
+    def context_params(self, params) -> None:
+        params.n_seq_max = self._n_seq_max
+        self._context_params = params
+
+
+def sampler_chain(llama: llama_cpp.Llama, **sampling) -> _internals.LlamaSampler:
+    """A sampler chain as ``Llama.generate`` makes it for ``sampling``
+    (its seed and ``logit_bias`` as set on ``llama``), owned by the caller
+    (``close`` frees it)."""
+    return llama._init_sampler(**sampling)
+
+
 def context_handle(llama: llama_cpp.Llama):
     """The ``llama_context *`` the C functions take."""
     return llama._ctx.ctx

@@ -11,6 +11,7 @@ worker process does. Every default is documented here:
 | LLAMAPOOL_ENGINE               | llama.cpp   | llama.cpp or synthetic (no model) |
 | LLAMAPOOL_MODEL                | (none)      | GGUF file (llama.cpp engine)      |
 | LLAMAPOOL_CTX                  | 2048        | context tokens per slot           |
+| LLAMAPOOL_SLOTS                | 1           | slots (sequences) in this worker  |
 | LLAMAPOOL_THREADS              | 0           | llama.cpp threads: N, 0 or auto   |
 | LLAMAPOOL_POOL_CORES           | (all CPUs)  | host cores for auto threads       |
 | LLAMAPOOL_CHAT_FORMAT          | (template)  | named chat format, e.g. gemma     |
@@ -64,6 +65,9 @@ def thread_count(text: str) -> str:
     return str(non_negative_int(text))
 
 
+#: Most slots one worker may hold (``--slots``).
+MAX_SLOTS = 64
+
 #: More layers than any model has: llama.cpp caps the count at the model's.
 MAX_GPU_LAYERS = 100_000
 
@@ -87,6 +91,14 @@ class WorkerSettings:
         flag="--model")
     n_ctx: int = setting(defaults.N_CTX, "LLAMAPOOL_CTX", "context tokens per slot",
         flag="--ctx", parse=positive_int)
+    #: Slots in this process: one sequence each in one context, decoded as
+    #: one batch (``workers.model.batched_worker``); 1 is the one-slot
+    #: worker. Each slot registers with the broker as a slot of its own.
+    n_slots: int = setting(
+        1, "LLAMAPOOL_SLOTS", "slots (sequences) in this worker",
+        flag="--slots", parse=positive_int,
+        help="slots in this worker, decoded together as one batch (default "
+             "1); each is a slot in the broker's ledger, with --ctx tokens")
     #: ``auto``: the broker gives each busy worker its share of
     #: ``pool_cores`` among the busy workers on its host
     #: (``workers.broker.thread_budget``).
@@ -214,6 +226,7 @@ class WorkerSettings:
         if not 0 <= self.pool_cores <= limits.MAX_THREADS:
             raise ConfigError(f"LLAMAPOOL_POOL_CORES={self.pool_cores}: from 1 "
                               f"to {limits.MAX_THREADS} (0: the usable CPUs)")
+        self._check_slots()
         if self.repack not in REPACK_CHOICES:
             raise ConfigError(f"LLAMAPOOL_REPACK={self.repack!r}: "
                               f"{', '.join(REPACK_CHOICES)}")
@@ -235,6 +248,22 @@ class WorkerSettings:
         # Cut, not refused: it is a supervisor's report, not a user's input.
         object.__setattr__(self, "last_failure",
                            self.last_failure[:limits.MAX_REASON_CHARS])
+
+    def _check_slots(self) -> None:
+        """What a worker of several slots cannot do yet, refused at start."""
+        if not 1 <= self.n_slots <= MAX_SLOTS:
+            raise ConfigError(f"LLAMAPOOL_SLOTS={self.n_slots}: from 1 to "
+                              f"{MAX_SLOTS}")
+        if self.n_slots == 1:
+            return
+        if self.engine != "llama.cpp":
+            raise ConfigError(f"--slots {self.n_slots} needs the llama.cpp "
+                              "engine")
+        if self.n_threads == "auto":
+            # The broker's budget is per registered slot: it would split one
+            # context's threads among its own sequences.
+            raise ConfigError(f"--slots {self.n_slots} with --threads auto is "
+                              "not supported yet: give a thread count")
 
     @property
     def auto_threads(self) -> bool:

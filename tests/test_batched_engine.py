@@ -1,0 +1,191 @@
+"""The batched decode loop in process: a ``BatchRunner`` on the tiny model,
+its two slots fed ``ActiveJob``s directly (no broker, no sockets).
+
+What it pins down: greedy text per slot equals the one-slot engine's for
+the same request (prompts longer than a step included, so prefill runs in
+chunks beside the other slot's decoding); a slot that gets no credit ends
+as stalled without holding the other back; a cancel ends only its own
+slot; and what ``--slots`` refuses at start.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from protocol import messages
+from protocol.errors import ErrorCode
+from protocol.payloads import COMPLETION, GenerationRequest, Sampling
+from protocol.settings import ConfigError
+from workers.model.active_job import ActiveJob, Outgoing
+from workers.model.batch_runner import BatchRunner
+from workers.model.batched_engine import BatchedEngine
+from workers.model.llama_engine import LlamaEngine
+from workers.model.settings import WorkerSettings
+
+#: Small steps, so that a prompt of a few hundred tokens takes several.
+N_BATCH = 64
+N_CTX = 512
+
+
+def greedy(prompt: list[int], max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(kind=COMPLETION, prompt_tokens=prompt,
+                             max_tokens=max_tokens,
+                             sampling=Sampling(temperature=0.0, ignore_eos=True))
+
+
+class Slots:
+    """A running ``BatchRunner`` of two slots and what each slot sent."""
+
+    def __init__(self, model, **settings) -> None:
+        self.settings = WorkerSettings(broker_endpoint="ipc:///nobody", n_slots=2,
+                                       n_ctx=N_CTX, n_threads="1", **settings)
+        self.runner = BatchRunner(self.settings, lambda: BatchedEngine(
+            str(model), n_slots=2, n_ctx=N_CTX, n_threads=1, n_batch=N_BATCH))
+        self.sent: dict[str, list[messages.Message]] = {}
+        self.ended_at: dict[str, float] = {}
+        self._changed = threading.Condition()
+        #: Jobs whose client reads everything: credit back for each frame.
+        self.reading: set[str] = set()
+        for port in self.runner.ports:
+            port.send = self._got
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.runner.run, args=(self.stop,))
+        self.thread.start()
+
+    def _got(self, out: Outgoing) -> None:
+        msg, job = out.message, out.job
+        with self._changed:
+            self.sent.setdefault(job.job_id, []).append(msg)
+            if isinstance(msg, messages.TERMINAL):
+                self.ended_at[job.job_id] = time.monotonic()
+            self._changed.notify_all()
+        if isinstance(msg, messages.Token) and job.job_id in self.reading:
+            job.add_credit(1)
+
+    def submit(self, seq: int, job_id: str, request: GenerationRequest,
+               reading: bool = True) -> ActiveJob:
+        if reading:
+            self.reading.add(job_id)
+        holder: list[ActiveJob] = []
+        job = ActiveJob(messages.Submit(job_id, request),
+                        lambda m: self._got(Outgoing(holder[0], m)), self.settings)
+        holder.append(job)
+        self.runner.submit_to(seq, job)
+        return job
+
+    def terminal(self, job_id: str, timeout_s: float = 30.0) -> messages.Message:
+        with self._changed:
+            assert self._changed.wait_for(lambda: job_id in self.ended_at,
+                                          timeout_s), f"{job_id} did not end"
+            return self.sent[job_id][-1]
+
+    def text(self, job_id: str) -> str:
+        frames = self.sent[job_id]
+        return "".join(f.text for f in frames if isinstance(f, messages.Token)) + (
+            frames[-1].text)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def slots(tiny_model):
+    s = Slots(tiny_model)
+    yield s
+    s.close()
+
+
+def one_slot_text(model, request: GenerationRequest) -> str:
+    """What the one-slot engine generates for ``request``."""
+    engine = LlamaEngine(str(model), n_ctx=N_CTX, n_threads=1, n_batch=N_BATCH,
+                         cache_ram_mib=0)
+    frames: list[messages.Message] = []
+    settings = WorkerSettings(broker_endpoint="ipc:///nobody")
+    job = ActiveJob(messages.Submit("solo", request), frames.append, settings)
+    result = engine.run(request, job)
+    return "".join(f.text for f in frames) + result.tail_text
+
+
+def test_greedy_text_of_two_slots_at_once_equals_the_one_slot_engine(
+        slots, tiny_model):
+    short = greedy([1, 40, 41, 42], 60)
+    # Longer than four steps: its prefill runs in chunks while the short
+    # job decodes beside it.
+    long = greedy([1, *range(100, 100 + 5 * N_BATCH)], 30)
+    slots.submit(0, "short", short)
+    slots.submit(1, "long", long)
+    for job_id, request in (("short", short), ("long", long)):
+        final = slots.terminal(job_id)
+        assert isinstance(final, messages.Final), final
+        assert final.finish_reason == messages.FinishReason.LENGTH
+        assert final.usage.completion_tokens == request.max_tokens
+        assert final.usage.prompt_tokens == len(request.prompt_tokens)
+        text = slots.text(job_id)
+        assert text and text == one_slot_text(tiny_model, request)
+
+
+def test_a_stalled_slot_does_not_hold_back_the_other(tiny_model):
+    s = Slots(tiny_model, credit_window_frames=2, stall_timeout_s=1.0)
+    try:
+        s.submit(0, "stalled", greedy([1, 40, 41], 200), reading=False)
+        s.submit(1, "reader", greedy([1, 50, 51], 200))
+        done = s.terminal("reader")
+        assert isinstance(done, messages.Final), done
+        assert done.usage.completion_tokens == 200
+        stalled = s.terminal("stalled")
+        assert isinstance(stalled, messages.Error)
+        assert stalled.code == ErrorCode.CLIENT_STALLED
+        assert s.ended_at["reader"] < s.ended_at["stalled"]
+        # It sent its window's frames, and no more.
+        assert sum(isinstance(f, messages.Token) for f in s.sent["stalled"]) <= 2
+    finally:
+        s.close()
+
+
+def test_a_cancel_ends_only_its_own_slot(tiny_model):
+    s = Slots(tiny_model, credit_window_frames=2)
+    try:
+        held = s.submit(0, "held", greedy([1, 40, 41], 200), reading=False)
+        other = s.submit(1, "other", greedy([1, 50, 51], 150), reading=False)
+        # Both paused for credit; one is cancelled, the other read on.
+        with s._changed:
+            assert s._changed.wait_for(
+                lambda: all(len(s.sent.get(j, [])) >= 2 for j in ("held", "other")),
+                30)
+        held.cancel()
+        cancelled = s.terminal("held")
+        assert isinstance(cancelled, messages.Final)
+        assert cancelled.finish_reason == messages.FinishReason.CANCELLED
+        s.reading.add("other")
+        other.add_credit(1000)
+        final = s.terminal("other")
+        assert isinstance(final, messages.Final)
+        assert final.usage.completion_tokens == 150
+    finally:
+        s.close()
+
+
+def test_a_refused_feature_names_the_batched_engine(slots):
+    request = GenerationRequest(kind=COMPLETION, prompt_tokens=[1, 2],
+                                max_tokens=2, logprobs=1)
+    slots.submit(0, "lp", request)
+    error = slots.terminal("lp")
+    assert isinstance(error, messages.Error)
+    assert error.code == ErrorCode.UNSUPPORTED_FIELD
+    assert error.message == "the batched llama.cpp engine has no logprobs"
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"n_threads": "auto"}, "--threads auto"),
+    ({"engine": "synthetic"}, "llama.cpp engine"),
+    ({"n_slots": 65}, "from 1 to 64"),
+])
+def test_what_several_slots_refuse_at_start(extra, says):
+    fields = {"broker_endpoint": "ipc:///nobody", "n_slots": 2, **extra}
+    with pytest.raises(ConfigError, match=says):
+        WorkerSettings(**fields)
