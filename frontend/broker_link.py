@@ -39,6 +39,7 @@ log = logging.getLogger("llamapool.frontend")
 _JOB_MESSAGES = (
     messages.Accepted,
     messages.NoSlot,
+    messages.Queued,
     messages.Token,
     messages.Final,
     messages.Error,
@@ -189,6 +190,13 @@ class BrokerLink(LinkHandler):
             return None
         finally:
             self._status_waiters.pop(request_id, None)
+
+    @property
+    def latest_status(self) -> PoolStatus | None:
+        """The newest STATUS reply, however old (None: none since the broker
+        was last lost): which models this broker serves, for routing."""
+        latest = self._latest_status
+        return None if latest is None else latest[1]
 
     @property
     def last_heard(self) -> float:

@@ -118,7 +118,7 @@ def _submit(
                   credit_batch_frames=credit_batch_frames, outcome=outcome)
         answer = job.answer(submit_timeout_s, client_gone)
         if trace is not None:
-            trace.answered(answer, stream)
+            trace.answered(answer, stream, job.queued)
         if answer is None:
             raise UpstreamError(ErrorCode.BROKER_UNREACHABLE,
                                 "the broker did not answer")

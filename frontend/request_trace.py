@@ -210,10 +210,15 @@ class JobTrace:
         return dataclasses.replace(origin or JobOrigin(),
                                    trace=otel_sdk.context_of(self.span))
 
-    def answered(self, answer: messages.Message | None, stream: FrameStream) -> None:
-        """The broker's answer to SUBMIT ends the slot wait."""
+    def answered(self, answer: messages.Message | None, stream: FrameStream,
+                 queued: messages.Queued | None = None) -> None:
+        """The broker's answer to SUBMIT ends the slot wait (``queued``: the
+        broker's last QUEUED, if the job waited in its queue)."""
         attrs: dict[str, Any] = {
             "llamapool.brokers_asked": getattr(stream, "brokers_asked", 1)}
+        attrs["llamapool.queued"] = queued is not None
+        if queued is not None:
+            attrs["llamapool.queue_position"] = queued.position
         if isinstance(answer, messages.Accepted):
             attrs["llamapool.answer"] = "accepted"
             attrs["llamapool.slot_id"] = answer.slot_id

@@ -109,11 +109,14 @@ def test_refusals_are_counted_per_model(empty_pool):
         refused = httpx.post(empty_pool.url + "/v1/completions",
                              json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
         assert refused.status_code == 503 and "Retry-After" in refused.headers
-        text = httpx.get(empty_pool.url + "/metrics", timeout=5).text
         # The slot is taken; both states count as busy (the KEDA query too).
-        assert re.search(r'^llamapool_model_slots\{model="' + MODEL
-                         + r'",state="(busy|cancelling)"\} 1\.0$', text, re.M), [
-            line for line in text.splitlines() if "model_slots" in line]
+        # Polled: a scrape whose STATUS the broker does not answer within
+        # --health-timeout-s (1 s, a loaded machine) has no pool series.
+        wait_until(lambda: re.search(
+            r'^llamapool_model_slots\{model="' + MODEL
+            + r'",state="(busy|cancelling)"\} 1\.0$',
+            httpx.get(empty_pool.url + "/metrics", timeout=5).text, re.M), 30,
+            "the held slot busy in llamapool_model_slots")
     assert refused_count() == before + 1
     empty_pool.assert_whole()
 

@@ -28,6 +28,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from tests.pool import sse_events, wait_until
+from tests.test_slot_paths import hold_slot
 
 pytestmark = pytest.mark.stack
 
@@ -95,13 +96,13 @@ class OtlpReceiver:
 
 
 @contextlib.contextmanager
-def _pool_with(pool_factory, otel_env: dict[str, str]):
+def _pool_with(pool_factory, otel_env: dict[str, str], **options):
     """A private one-worker pool whose three kinds of process all start with
     ``otel_env`` (each inherits this process's environment)."""
     saved = dict(os.environ)
     os.environ.update(otel_env)
     try:
-        pools = pool_factory(workers=1, private=True)
+        pools = pool_factory(workers=1, private=True, **options)
         pool = pools.__enter__()
     finally:
         os.environ.clear()
@@ -112,15 +113,18 @@ def _pool_with(pool_factory, otel_env: dict[str, str]):
         pools.__exit__(None, None, None)
 
 
+def _receiver_env(receiver: OtlpReceiver) -> dict[str, str]:
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+            # Spans reach the receiver within 0.1 s of ending.
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
+
+
 @pytest.fixture(scope="module")
 def traced_pool(pool_factory):
     receiver = OtlpReceiver()
     try:
-        with _pool_with(pool_factory, {
-                "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
-                # Spans reach the receiver within 0.1 s of ending.
-                "OTEL_BSP_SCHEDULE_DELAY": "100",
-                "OTEL_TRACES_SAMPLER": "parentbased_always_on"}) as pool:
+        with _pool_with(pool_factory, _receiver_env(receiver)) as pool:
             yield pool, receiver
     finally:
         receiver.stop()
@@ -291,3 +295,45 @@ def test_an_unreachable_collector_costs_requests_nothing_and_one_line(pool_facto
     # At most one a minute per process: 2 gunicorn workers, broker, worker.
     assert 1 <= len(lines) <= 4, lines
     assert "Transient error" not in text and "Failed to export" not in text
+
+
+def test_a_queued_job_has_its_wait_as_a_span(pool_factory):
+    """With the broker's queue on, a job that finds the one slot busy waits:
+    ``broker.queue_wait`` covers the wait, under ``frontend.job``, and ends
+    when the slot frees, with the slot it got."""
+    receiver = OtlpReceiver()
+    trace_id = "6bf92f3577b34da6a3ce929d0e0e4738"
+    try:
+        with _pool_with(pool_factory, _receiver_env(receiver),
+                        broker_args=("--queue-max", "4", "--queue-timeout-s", "60")
+                        ) as pool, httpx.Client(base_url=pool.url, timeout=60) as client:
+            held, _ = hold_slot(pool)  # the one slot, paused for credit
+            waiting = threading.Thread(target=lambda: client.post(
+                "/v1/completions",
+                headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"},
+                json={"prompt": "wait", "max_tokens": 3}))
+            waiting.start()
+            wait_until(lambda: pool.status()["jobs_waiting"] == 1, 30,
+                       "the second job waiting")
+            held.close()
+            waiting.join(60)
+            assert not waiting.is_alive()
+            wait_until(lambda: {"broker.queue_wait", "frontend.slot_wait",
+                                "worker.job"} <= set(receiver.of_trace(trace_id)),
+                       30, "the queued job's spans at the receiver")
+            spans = receiver.of_trace(trace_id)
+            print("\n" + _tree(spans))
+            pool.assert_whole()
+    finally:
+        receiver.stop()
+    queue, job = spans["broker.queue_wait"][1], spans["frontend.job"][1]
+    assert spans["broker.queue_wait"][0] == "llamapool-broker"
+    assert queue.parent_span_id == job.span_id
+    q = _attrs(queue)
+    assert q["llamapool.queue_outcome"] == "started"
+    assert q["llamapool.queue_position"] == 0 and q["llamapool.worker"]
+    assert _attrs(spans["broker.placement"][1])["llamapool.queued"] is True
+    wait = _attrs(spans["frontend.slot_wait"][1])
+    assert wait["llamapool.queued"] is True and wait["llamapool.answer"] == "accepted"
+    # The wait ended when the slot was handed over, before the job ran.
+    assert queue.end_time_unix_nano <= spans["worker.job"][1].start_time_unix_nano

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import socket
+import time
 
 import httpx
 import pytest
@@ -31,6 +32,10 @@ TIMEOUT_S = 120
 #: One slot, up to 8 waiters for 60 s: fairness and the waits that end well.
 queued_pool = pool_fixture(workers=1, api_keys=(KEY_A, KEY_B),
                            broker_args=("--queue-max", "8", "--queue-timeout-s", "60"))
+#: The frontend waits 1 s for a broker's answer: a QUEUED must extend it.
+short_answer_pool = pool_fixture(
+    workers=1, api_keys=(KEY_A, KEY_B), frontend_env={"LLAMAPOOL_SUBMIT_TIMEOUT_S": "1"},
+    broker_args=("--queue-max", "8", "--queue-timeout-s", "60"))
 #: One waiter at most, of 60 prompt tokens at most.
 tight_pool = pool_fixture(workers=1, api_keys=(KEY_A, KEY_B), broker_args=(
     "--queue-max", "1", "--queue-max-tokens", "60", "--queue-timeout-s", "60"))
@@ -77,6 +82,29 @@ def test_a_waiter_gets_the_slot_when_it_frees(queued_pool, clients):
     assert r.status_code == 200, r.text
     assert waiting(queued_pool) == 0
     queued_pool.wait_free(1, 30)
+
+
+def test_a_wait_longer_than_the_submit_timeout_is_not_a_lost_broker(
+        short_answer_pool, clients):
+    # Before, the frontend's link dropped QUEUED: a job queued for longer
+    # than --submit-timeout-s was answered "the broker did not answer" while
+    # the broker still held it, and ran it later for nobody.
+    pool = short_answer_pool
+    held, _ = hold_slot(pool, headers=auth(KEY_A))
+    try:
+        waiter = clients.submit(complete, pool, KEY_B)
+        wait_until(lambda: waiting(pool) == 1, 30, "the request to wait")
+        queued_at = time.monotonic()
+        # Three submit timeouts pass, and it is still waiting, not failed.
+        wait_until(lambda: waiter.done() or time.monotonic() - queued_at > 3, 30,
+                   "three submit timeouts")
+        assert not waiter.done(), waiter.result().text
+        assert waiting(pool) == 1
+    finally:
+        held.close()
+    r = waiter.result(timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    pool.wait_free(1, 30)
 
 
 def test_the_request_can_shorten_its_wait(queued_pool):

@@ -8,6 +8,10 @@ frontend's ``frontend.job`` span:
   the worker chosen (slot, name, host), the prefix blocks the prompt has and
   how many that worker holds, and whether the SUBMIT is held for a
   ``--threads auto`` step-down;
+* ``broker.queue_wait``: a job that found no slot and waits for one
+  (``--queue-max``): from its QUEUED to the slot it got, its deadline or its
+  client leaving (``llamapool.queue_outcome``), with its position at entry;
+  the slot's attributes as ``broker.placement`` has them when it got one;
 * ``broker.step_down_hold``: from that hold to the SUBMIT going out;
 * ``broker.cancel``: from a CANCEL (the client gone, or its frontend) to the
   terminal frame that frees the slot, the time DESIGN.md has measured.
@@ -39,6 +43,7 @@ class _OpenJob:
     parent: Context
     hold: trace.Span | None = None
     cancel: trace.Span | None = None
+    queue: trace.Span | None = None
 
 
 class BrokerTraces:
@@ -63,26 +68,63 @@ class BrokerTraces:
             "llamapool.prefix_blocks": len(msg.prefix_blocks),
             "llamapool.placed": placed,
         }
-        held = False
+        waiter = b.waiting.room.waiters.get(msg.job_id)
+        attrs["llamapool.queued"] = waiter is not None
         if placed:
-            slot = b.ledger.workers.get(job.worker)
-            if slot is not None:
-                attrs.update({
-                    "llamapool.slot_id": slot.slot_id,
-                    "llamapool.worker": slot.info.worker_name,
-                    "llamapool.worker_host": slot.info.host,
-                    "llamapool.prefix_blocks_held": slot.shared_blocks_at_assign,
-                })
-            held = b.step_down.holds(msg.job_id)
-            attrs["llamapool.step_down_held"] = held
+            attrs.update(self._slot_attrs(job))
         started = otel_sdk.wall_ns(now)
         span = tracing.TRACER.start_span("broker.placement", context=parent,
                                          start_time=started, attributes=attrs)
         span.end()
         if placed:
-            self._open[msg.job_id] = _OpenJob(parent, hold=tracing.TRACER.start_span(
-                "broker.step_down_hold", context=parent, start_time=started)
-                if held else None)
+            self._open[msg.job_id] = _OpenJob(parent, hold=self._hold(job, parent,
+                                                                      started))
+        elif waiter is not None:
+            self._open[msg.job_id] = _OpenJob(parent, queue=tracing.TRACER.start_span(
+                "broker.queue_wait", context=parent, start_time=started,
+                attributes={"llamapool.job_id": msg.job_id,
+                            "llamapool.queue_position": b.waiting.room.position(waiter),
+                            "llamapool.queue_depth": len(b.waiting.room)}))
+
+    def _slot_attrs(self, job: Job) -> dict[str, Any]:
+        """The slot ``job`` got, and whether its SUBMIT is held for a step-down."""
+        b = self._broker
+        attrs: dict[str, Any] = {}
+        slot = b.ledger.workers.get(job.worker)
+        if slot is not None:
+            attrs.update({
+                "llamapool.slot_id": slot.slot_id,
+                "llamapool.worker": slot.info.worker_name,
+                "llamapool.worker_host": slot.info.host,
+                "llamapool.prefix_blocks_held": slot.shared_blocks_at_assign,
+            })
+        attrs["llamapool.step_down_held"] = b.step_down.holds(job.job_id)
+        return attrs
+
+    def _hold(self, job: Job, parent: Context, started: int) -> trace.Span | None:
+        if not self._broker.step_down.holds(job.job_id):
+            return None
+        return tracing.TRACER.start_span("broker.step_down_hold", context=parent,
+                                         start_time=started)
+
+    def on_dequeued(self, job_id: str, outcome: str, now: float) -> None:
+        """A waiting job left the queue: ``started`` (it got a slot, now in
+        the ledger), ``expired`` (NO_SLOT at its deadline) or ``left`` (its
+        client or its frontend went)."""
+        open_job = self._open.get(job_id)
+        if open_job is None or open_job.queue is None:
+            return
+        span, open_job.queue = open_job.queue, None
+        span.set_attribute("llamapool.queue_outcome", outcome)
+        job = self._broker.ledger.jobs.get(job_id)
+        if outcome == "started" and job is not None:
+            span.set_attributes(self._slot_attrs(job))
+            open_job.hold = self._hold(job, open_job.parent, otel_sdk.wall_ns(now))
+        else:
+            self._open.pop(job_id, None)
+            if outcome == "expired":
+                span.set_status(Status(StatusCode.ERROR, "no slot before the deadline"))
+        span.end(end_time=otel_sdk.wall_ns(now))
 
     def on_hold_ended(self, job_id: str) -> None:
         """The job's held SUBMIT went out (or was dropped with its job)."""
@@ -118,7 +160,7 @@ class BrokerTraces:
         if open_job is None:
             return
         end = time.time_ns()
-        for span in (open_job.hold, open_job.cancel):
+        for span in (open_job.queue, open_job.hold, open_job.cancel):
             if span is not None:
                 span.set_attributes(attrs)
                 if error is not None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 from protocol import messages, timing
 
@@ -55,6 +56,11 @@ class Waiter:
     @property
     def client(self) -> str:
         return self.submit.client
+
+    @property
+    def model(self) -> str:
+        """The model whose slot it waits for ("": any)."""
+        return self.submit.request.model
 
 
 class WaitingRoom:
@@ -137,17 +143,20 @@ class WaitingRoom:
     def pick(self, held_blocks, now: float) -> Waiter | None:
         """The job a freed slot goes to (module doc), taken out.
 
-        ``held_blocks(blocks)``: the most of these prefix blocks an idle
-        worker holds.
+        ``held_blocks(waiter)``: the most of its prefix blocks an idle
+        worker of its model holds, or None when its model has no idle slot
+        (a freed slot of model A never goes to a job for model B).
         """
-        if not self.waiters:
+        held = {job_id: held_blocks(w) for job_id, w in self.waiters.items()}
+        servable = [w for w in self.waiters.values() if held[w.job_id] is not None]
+        if not servable:
             return None
         first_seen: dict[str, int] = {}
-        for i, w in enumerate(self.waiters.values()):
+        for i, w in enumerate(servable):
             first_seen.setdefault(w.client, i)
         client = min(first_seen, key=lambda c: (self.service(c, now), first_seen[c]))
-        mine = [w for w in self.waiters.values() if w.client == client]
-        best = max(mine, key=lambda w: (held_blocks(w.blocks), -w.since))
+        mine = [w for w in servable if w.client == client]
+        best = max(mine, key=lambda w: (held[w.job_id], -w.since))
         return self.remove(best.job_id)
 
     def service(self, client: str, now: float) -> float:
@@ -180,12 +189,15 @@ class WaitingRoom:
             self._service = {c: v for c, v in self._service.items()
                              if self.service(c, now) >= 1.0 or c in self._clients.values()}
 
-    def queue_wait_s(self, live_slots: int) -> float:
+    def queue_wait_s(self, live_slots: int, model: str = "") -> float:
         """How much longer than the busy slots' own estimate a job waits for
-        the queue ahead of it: one lease per slot-full of waiters."""
-        if not self.waiters or live_slots <= 0:
+        the queue ahead of it (of ``model``'s jobs; "": all): one lease per
+        slot-full of waiters."""
+        ahead = (len(self.waiters) if not model else
+                 sum(1 for w in self.waiters.values() if w.model == model))
+        if not ahead or live_slots <= 0:
             return 0.0
-        return len(self.waiters) / live_slots * self._lease_s
+        return ahead / live_slots * self._lease_s
 
 
 class WaitingJobs:
@@ -220,23 +232,36 @@ class WaitingJobs:
         deadline."""
         b, ledger = self.broker, self.broker.ledger
         while self.room.waiters and ledger.free_slots():
-            idle = ledger.idle_slots()
-            waiter = self.room.pick(
-                lambda blocks: max(w.routing_blocks(blocks) for w in idle), now)
-            slot = ledger.assign(waiter.job_id, waiter.frontend, now, waiter.blocks)
+            idle: dict[str, list] = {}
+
+            def held_blocks(w: Waiter) -> int | None:
+                slots = idle.get(w.model)
+                if slots is None:
+                    slots = idle[w.model] = ledger.idle_slots(w.model)
+                return (max(s.routing_blocks(w.blocks) for s in slots)
+                        if slots else None)
+
+            waiter = self.room.pick(held_blocks, now)
+            if waiter is None:
+                break  # the free slots are of models nobody waits for
+            slot = ledger.assign(waiter.job_id, waiter.frontend, now, waiter.blocks,
+                                 waiter.model)
             b.stats.queue_wait.observe(now - waiter.since)
             b.start_job(waiter.frontend, waiter.submit, waiter.raw, slot, now)
+            self._traced(waiter.job_id, "started", now)
         for waiter in self.room.expire(now):
+            self._traced(waiter.job_id, "expired", now)
             b.counters.queue_expired += 1
             b.counters.no_slot += 1
-            b.to_frontend(waiter.frontend,
-                          messages.NoSlot(waiter.job_id, self.retry_after_s(now)))
+            b.to_frontend(waiter.frontend, messages.NoSlot(
+                waiter.job_id, self.retry_after_s(now, waiter.model)))
 
-    def retry_after_s(self, now: float) -> float:
-        """The busy slots' estimate, plus the queue ahead."""
+    def retry_after_s(self, now: float, model: str = "") -> float:
+        """The busy slots' estimate, plus the queue ahead (of ``model``'s
+        slots and jobs; "": all)."""
         ledger = self.broker.ledger
-        extra = self.room.queue_wait_s(ledger.live_slots())
-        base = ledger.retry_after_s(now)
+        extra = self.room.queue_wait_s(ledger.live_slots(model), model)
+        base = ledger.retry_after_s(now, model)
         return base if extra == 0 else min(timing.RETRY_AFTER_MAX_S,
                                            float(math.ceil(base + extra)))
 
@@ -248,10 +273,18 @@ class WaitingJobs:
         if self.room.remove(job_id, frontend) is None:
             return False
         self.broker.counters.queue_left += 1
+        self._traced(job_id, "left", time.monotonic())
         return True
 
     def frontend_gone(self, ident: bytes) -> None:
-        self.broker.counters.queue_left += len(self.room.drop_frontend(ident))
+        gone = self.room.drop_frontend(ident)
+        self.broker.counters.queue_left += len(gone)
+        for waiter in gone:
+            self._traced(waiter.job_id, "left", time.monotonic())
+
+    def _traced(self, job_id: str, outcome: str, now: float) -> None:
+        if self.broker.traces is not None:
+            self.broker.traces.on_dequeued(job_id, outcome, now)
 
     def on_start(self, msg: messages.Submit, now: float) -> None:
         self.room.on_start(msg, now)
