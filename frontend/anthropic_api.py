@@ -61,4 +61,4 @@ def add_anthropic_routes(app: falcon.App, link: BrokerClient,
                          ) -> None:
     app.add_route(PATH, MessagesResource(link, settings, gate))
     app.add_route(PATH + "/count_tokens", PromptCountResource(
-        settings, gate, parse_count, lambda n: {"input_tokens": n}))
+        settings, gate, parse_count, lambda n: {"input_tokens": n}, link))

@@ -31,7 +31,8 @@ from collections.abc import Callable
 
 from frontend.errors import ApiError, NoSlotAvailable, http_form
 from frontend.reasoning import ReasoningSplit
-from frontend.tool_calls import CALL_CLOSE, CALL_OPEN, loads_shallow, split_calls
+from frontend.tool_calls import loads_shallow, split_calls
+from protocol import tool_formats
 from protocol import messages
 from protocol.payloads import TokenLogprob, Usage
 
@@ -93,12 +94,13 @@ def _tool_use(call: dict) -> dict | None:
             "name": fn["name"], "input": arguments}
 
 
-def content_blocks(text: str, tools: bool, single_call: bool) -> list[dict]:
+def content_blocks(text: str, tools: bool, single_call: bool,
+                   tool_format: str = "") -> list[dict]:
     """The answer's blocks: its text, then its calls when tools were offered.
     A call that cannot be a ``tool_use`` stays text, as the model wrote it."""
     if not tools:
         return [{"type": "text", "text": text}] if text else []
-    content, calls = split_calls(text)
+    content, calls = split_calls(text, tool_format)
     if single_call:
         calls = calls[:1]
     blocks, kept = [], [content or ""]
@@ -106,8 +108,8 @@ def content_blocks(text: str, tools: bool, single_call: bool) -> list[dict]:
         block = _tool_use(call)
         if block is None:
             fn = call["function"]
-            kept.append(f'{CALL_OPEN}{{"name": {json.dumps(fn["name"])}, '
-                        f'"arguments": {json.dumps(fn["arguments"])}}}{CALL_CLOSE}')
+            kept.append(tool_formats.by_name(tool_format).write(
+                fn["name"], fn["arguments"]))
         else:
             blocks.append(block)
     shown = "".join(kept)
@@ -258,7 +260,7 @@ class MessagesShaper:
         blocks = []
         if self.tools:
             blocks = content_blocks("".join(self._held) + text, True,
-                                    self.single_call)
+                                    self.single_call, msg.tool_format)
             for block in blocks:
                 out += (self._delta("text", block["text"]) if block["type"] == "text"
                         else self._tool_use_events(block))
@@ -283,7 +285,8 @@ class MessagesShaper:
     def whole_answer(self, text: str, final: messages.Final,
                      entries: list[TokenLogprob] = ()) -> dict:
         thought, text = self._split(text, final=True)
-        blocks = content_blocks(text, self.tools, self.single_call)
+        blocks = content_blocks(text, self.tools, self.single_call,
+                                final.tool_format)
         if thought:
             blocks.insert(0, {"type": "thinking", "thinking": thought,
                               "signature": ""})

@@ -10,14 +10,15 @@ cache as ``/v1/chat/completions``:
   cch=<nonce>;``) is dropped: it is billing metadata for Anthropic's own
   servers, and its nonce changes on every request, so at the head of the
   prompt it would make every turn miss the prompt cache.
-* ``tool_use`` blocks of an assistant turn are written back in the call form
-  the model was taught (``frontend.tool_calls.calls_as_text``), and each
+* ``tool_use`` blocks of an assistant turn go back as the turn's calls
+  (``frontend.tool_calls.history_calls``), which the worker renders in the
+  call form the model was taught, and each
   ``tool_result`` block is a ``tool`` turn, in the order they came.
 * ``tools`` and ``tool_choice`` become chat's (``offered_tools``): ``any``
   and ``tool`` are a grammar that forces one call.
 
 Every key of the body, of a message and of a block is read or refused: a
-client learns that an image, a server tool or a prefill is not served,
+client learns that an image or a server tool is not served,
 instead of getting an answer made without it. ``cache_control`` is accepted
 and changes nothing: every prompt prefix is cached already.
 """
@@ -35,7 +36,7 @@ from frontend.nested_fields import object_with, string_in
 from frontend.request_fields import MAX_STOP_STRINGS, RequestFields
 from frontend.tool_calls import (
     ToolRequest,
-    calls_as_text,
+    history_calls,
     offered_tools,
     tool_name,
 )
@@ -175,8 +176,9 @@ def _assistant_turn(content: list, where: str) -> ChatMessage:
             if not isinstance(block.get("input"), dict):
                 raise BadRequest(f"{at}.input must be an object",
                                  param=f"{at}.input")
-            calls.append({"function": {"name": name, "arguments": json.dumps(
-                block["input"], ensure_ascii=False)}})
+            calls.append({"id": block.get("id"), "function": {
+                "name": name,
+                "arguments": json.dumps(block["input"], ensure_ascii=False)}})
         elif kind == "thinking":
             thoughts.append(string_in(object_with(block, _THINKING_KEYS, at),
                                       "thinking", at))
@@ -185,9 +187,8 @@ def _assistant_turn(content: list, where: str) -> ChatMessage:
                              f"'text', 'tool_use' or 'thinking' (got "
                              f"{str(kind)[:40]!r})", param=at)
     text = "".join(texts)
-    if calls:
-        text += calls_as_text(calls, f"{where}.content")
-    return ChatMessage("assistant", text, "\n".join(thoughts))
+    history = history_calls(calls, f"{where}.content") if calls else []
+    return ChatMessage("assistant", text, "\n".join(thoughts), history)
 
 
 _MESSAGE_KEYS = frozenset({"role", "content"})
@@ -214,13 +215,19 @@ def chat_turns(raw: Any, system: str) -> list[ChatMessage]:
             turns += _user_turns(content, where)
         else:
             turns.append(_assistant_turn(content, where))
-    if raw[-1].get("role") == "assistant":
-        # Anthropic continues a final assistant turn (a prefill); the
-        # template would close it and open a new one: another answer.
+    if raw[-1].get("role") == "assistant" and turns[-1].tool_calls:
+        # Anthropic continues a final assistant turn (a prefill,
+        # ``prefilled``); one that calls tools has nothing to continue.
         where = f"messages[{len(raw) - 1}]"
-        raise BadRequest(f"{where}: a final assistant message (a prefill) is "
-                         "not supported: end with a user message", param=where)
+        raise BadRequest(f"{where}: a final assistant message (a prefill) "
+                         "cannot hold tool_use blocks", param=where)
     return turns
+
+
+def prefilled(turns: list[ChatMessage]) -> bool:
+    """A final assistant turn is continued, not closed (Anthropic's prefill;
+    the worker leaves it open: ``GenerationRequest.continue_final``)."""
+    return bool(turns) and turns[-1].role == "assistant"
 
 
 _TOOL_KEYS = frozenset({"type", "name", "description", "input_schema",
@@ -352,18 +359,18 @@ def output_grammar(fields: RequestFields, tools: ToolRequest) -> str:
     steers Anthropic's reasoning, which this model has not: refused."""
     config = fields.get("output_config")
     if config is None:
-        return tools.grammar
+        return ""
     config = object_with(config, frozenset({"format"}), "output_config")
     fmt = config.get("format")
     if fmt is None:
-        return tools.grammar
+        return ""
     fmt = object_with(fmt, frozenset({"type", "schema"}), "output_config.format")
     schema = fmt.get("schema")
     if fmt.get("type") != "json_schema" or not isinstance(schema, dict):
         raise BadRequest("output_config.format must be {\"type\": "
                          "\"json_schema\", \"schema\": {...}}",
                          param="output_config.format")
-    if tools.grammar:
+    if tools.force:
         raise BadRequest("a forced tool call ('tool_choice') cannot be combined "
                          "with 'output_config.format'", param="tool_choice")
     try:
@@ -396,6 +403,9 @@ def parse_messages(body: Any) -> MessagesRequest:
         stop=stops,
         grammar=output_grammar(fields, tools),
         tools=json.dumps(tools.tools) if tools.active else "",
+        force_call=tools.force,
+        add_generation_prompt=not prefilled(turns),
+        continue_final=prefilled(turns),
     )
     stream = request_fields.stream(fields)
     model = request_fields.model(fields)
@@ -414,4 +424,6 @@ def parse_count(body: Any) -> tuple[GenerationRequest, bool | None]:
     request_fields.model(fields)
     fields.finish(field_policy.FieldPolicy())
     return GenerationRequest(kind=CHAT, messages=turns, max_tokens=1, tools=(
-        json.dumps(tools.tools) if tools.active else "")), think
+        json.dumps(tools.tools) if tools.active else ""),
+        add_generation_prompt=not prefilled(turns),
+        continue_final=prefilled(turns)), think

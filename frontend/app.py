@@ -16,6 +16,7 @@ import falcon
 from frontend import anthropic_api, metrics, openai_schema, tracing
 from frontend.anthropic_format import error_shape as anthropic_error_shape
 from frontend.auth import ApiKeyMiddleware
+from frontend.key_records import KeyRecords
 from frontend.broker_link import BrokerLink
 from frontend.broker_pool import BrokerPool
 from frontend.cors import (
@@ -32,9 +33,11 @@ from frontend.errors import (
 )
 from frontend.interfaces import BrokerClient
 from frontend.job import Job
+from frontend.model_resolution import catalog
 from frontend.native_api import add_native_routes
 from frontend.openai_format import ResponseShaper
 from frontend.probes import add_probe_routes
+from frontend.prompt_count import add_chat_count_routes
 from frontend.prompt_gate import PromptGate
 from frontend.reasoning import reasoning_split
 from frontend.request_log import RequestLogMiddleware
@@ -44,7 +47,7 @@ from frontend.web_page import add_page_routes
 from protocol.broker_list import split_endpoints
 from protocol.curve import client_keys
 from protocol.errors import ErrorCode
-from protocol.payloads import JobProgress, PoolStatus, SlotStatus
+from protocol.payloads import JobProgress, ModelStatus, PoolStatus, SlotStatus
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
@@ -114,27 +117,39 @@ class LedgerView:
 
 
 class ModelsResource(LedgerView):
-    """``GET /v1/models``: the models the live workers serve."""
+    """``GET /v1/models``: each model the live workers serve, once, with its
+    aliases, capabilities and slots (``frontend.model_resolution.catalog``)."""
 
     def on_get(self, req, resp) -> None:
         status = self.link.status(self.settings.health_timeout_s,
                                   self.settings.health_cache_s)
         slots = status.slots if status is not None else []
-        models: dict[str, dict] = {}
+        engines = {}
         for slot in slots:
-            entry = models.setdefault(
-                slot.model,
-                {"id": slot.model, "object": "model", "created": 0,
-                 "owned_by": "llamapool", "meta": {"n_ctx": slot.n_ctx,
-                                                   "engine": slot.engine,
-                                                   "slots": 0}},
-            )
-            entry["meta"]["slots"] += 1
+            engines.setdefault(slot.model, slot.engine)
+        models = [model_entry(m, engines[m.name]) for m in catalog(status).values()]
         if not models and self.settings.model_name:
             name = self.settings.model_name
-            models[name] = {"id": name, "object": "model", "created": 0,
-                            "owned_by": "llamapool"}
-        resp.media = {"object": "list", "data": list(models.values())}
+            models = [{"id": name, "object": "model", "created": 0,
+                       "owned_by": "llamapool"}]
+        resp.media = {"object": "list", "data": models}
+
+
+def model_entry(model: ModelStatus, engine: str) -> dict:
+    """One ``/v1/models`` entry: OpenAI's four fields, llama-server's
+    router's ``aliases``, and the pool's ``capabilities`` and slots."""
+    return {
+        "id": model.name, "object": "model", "created": 0,
+        "owned_by": "llamapool", "aliases": list(model.aliases),
+        "capabilities": list(model.capabilities),
+        "meta": {"n_ctx": model.n_ctx, "engine": engine,
+                 # Every slot of it, loading ones too (as before issue 30).
+                 "slots": model.slots_total + model.slots_loading,
+                 "slots_total": model.slots_total,
+                 "slots_idle": model.slots_idle,
+                 "slots_busy": model.slots_busy,
+                 "slots_loading": model.slots_loading},
+    }
 
 
 class HealthResource(LedgerView):
@@ -200,6 +215,23 @@ class SlotsResource(LedgerView):
         if status is None:
             return
         resp.media = [public_slot(slot) for slot in status.slots]
+
+
+class QueueResource(LedgerView):
+    """``GET /queue``: the jobs waiting for a slot (the broker's
+    ``--queue-max``), in all and per named key (``--keys-file``), with the
+    Retry-After a refusal would carry now. Counts only: no prompt, no key."""
+
+    def on_get(self, req, resp) -> None:
+        status = self.ledger(resp)
+        if status is None:
+            return
+        resp.media = {
+            "waiting": status.jobs_waiting,
+            "retry_after_s": status.retry_after_s,
+            "keys": [{"key": k.name, "waiting": k.waiting, "running": k.running}
+                     for k in status.keys if k.waiting or k.running],
+        }
 
 
 #: What ``/slots`` shows for a slot with no progress yet (idle, or its job's
@@ -300,7 +332,9 @@ def create_app(
             # before the key check and anything else, and logged.
             HostCheckMiddleware(settings.allowed_hosts),
             OriginCheckMiddleware(settings.web_origins()),
-            tracing.traced_auth(ApiKeyMiddleware(settings.api_keys)),
+            tracing.traced_auth(ApiKeyMiddleware(
+                settings.api_keys,
+                KeyRecords(settings.keys_file) if settings.keys_file else None)),
         ],
         cors_enable=False,  # the middleware above, configured, instead
     )
@@ -310,7 +344,7 @@ def create_app(
         # Anthropic's clients read its own error shape (a 401 included).
         shapes=((anthropic_api.PATH, anthropic_error_shape),))
     gate = (
-        PromptGate(settings.tokenizer_model, settings.chat_format, settings.n_ctx)
+        PromptGate(settings.tokenizer_model, settings.chat_choice, settings.n_ctx)
         if settings.tokenizer_model
         else None
     )
@@ -330,7 +364,9 @@ def create_app(
     add_native_routes(app, link, settings, gate)
     anthropic_api.add_anthropic_routes(app, link, settings, gate)
     add_responses_routes(app, link, settings, gate)
+    add_chat_count_routes(app, link, settings, gate)
     app.add_route("/slots", SlotsResource(link, settings))
+    app.add_route("/queue", QueueResource(link, settings))
     app.add_route("/metrics", MetricsResource(link, settings))
     add_probe_routes(app, link, settings)
     add_page_routes(app)

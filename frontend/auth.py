@@ -3,6 +3,8 @@
 A key is accepted in ``Authorization: Bearer <key>`` or ``X-Api-Key: <key>``.
 The public paths below need none. Keys are compared in constant time and
 never logged; only the last four characters of the first key are, at startup.
+A keys file (``frontend.key_records``) adds named keys, known by their hash;
+such a key shows as its name.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import hmac
 import logging
 
 from frontend.errors import Unauthorized
+from frontend.key_records import KeyRecords
 from frontend.probes import PROBE_PATHS
 from frontend.web_page import PUBLIC_PAGE_PATHS
 
@@ -52,16 +55,26 @@ def key_is_valid(candidate: str, keys: tuple[str, ...]) -> bool:
 class ApiKeyMiddleware:
     """Rejects requests to protected paths without a valid key (HTTP 401)."""
 
-    def __init__(self, keys: tuple[str, ...]) -> None:
+    def __init__(self, keys: tuple[str, ...],
+                 records: KeyRecords | None = None) -> None:
         self.keys = keys
+        self.records = records
 
     def process_request(self, req, resp) -> None:
         req.context.key_suffix = "-"
+        req.context.key_record = None
         # OPTIONS: a browser's CORS preflight never carries the key, and the
         # answer is only the route's methods (``frontend.cors``), as in llama.cpp.
-        if not self.keys or req.path in PUBLIC_PATHS or req.method == "OPTIONS":
+        if (not self.keys and self.records is None) or req.path in PUBLIC_PATHS \
+                or req.method == "OPTIONS":
             return
         candidate = presented_key(req.get_header)
-        if candidate is None or not key_is_valid(candidate, self.keys):
+        if candidate is None:
             raise Unauthorized()
-        req.context.key_suffix = key_suffix(candidate)
+        record = self.records.lookup(candidate) if self.records is not None else None
+        if record is None and not key_is_valid(candidate, self.keys):
+            raise Unauthorized()
+        # A named key is its name in logs (and at the broker); another key,
+        # what may be shown of it.
+        req.context.key_record = record
+        req.context.key_suffix = record.name if record else key_suffix(candidate)

@@ -40,6 +40,7 @@ _JOB_MESSAGES = (
     messages.Accepted,
     messages.NoSlot,
     messages.Queued,
+    messages.RateLimited,
     messages.Token,
     messages.Final,
     messages.Error,
@@ -148,7 +149,8 @@ class BrokerLink(LinkHandler):
         msg = messages.Submit(job_id, request, prefix_blocks or [], id_slot,
                               origin.request_id[:limits.MAX_ID_CHARS],
                               origin.key[:limits.MAX_KEY_LABEL_CHARS],
-                              origin.trace, origin.client, origin.max_wait_s)
+                              origin.trace, origin.client, origin.max_wait_s,
+                              key_policy=origin.key_policy)
         frames = msg.to_wire()
         size = len(frames[2])
         if size > messages.Submit.LIMITS.max_bytes:
@@ -166,6 +168,16 @@ class BrokerLink(LinkHandler):
         """Stop routing frames to this job (late frames are dropped)."""
         self._streams.pop(job_id, None)
 
+    def cached_status(self, max_age_s: float) -> PoolStatus | None:
+        """The last snapshot if it is at most ``max_age_s`` old, the broker
+        alive and a worker loaded (``status``'s rule); else None, at once."""
+        latest = self._latest_status
+        if (max_age_s > 0 and latest is not None and latest[1].slots_total > 0
+                and self.broker_alive()
+                and time.monotonic() - latest[0] <= max_age_s):
+            return latest[1]
+        return None
+
     def status(self, timeout_s: float, max_age_s: float = 0.0) -> PoolStatus | None:
         """The broker's ledger snapshot, or None if it does not answer in time.
 
@@ -175,11 +187,9 @@ class BrokerLink(LinkHandler):
         process reports it ready as soon as it is.
         """
         self.start()
-        latest = self._latest_status
-        if (max_age_s > 0 and latest is not None and latest[1].slots_total > 0
-                and self.broker_alive()
-                and time.monotonic() - latest[0] <= max_age_s):
-            return latest[1]
+        cached = self.cached_status(max_age_s)
+        if cached is not None:
+            return cached
         request_id = uuid.uuid4().hex
         waiter: queue.Queue = queue.Queue()  # see JobStream._frames
         self._status_waiters[request_id] = waiter

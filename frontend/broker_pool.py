@@ -21,6 +21,11 @@ one link (``frontend.interfaces.BrokerClient``):
 * CANCEL and CREDIT go to the broker that holds the job; ``forget`` ends
   the job's routing there.
 * ``status`` merges every live broker's ledger (``frontend.pool_view``).
+* A job for a model (``GenerationRequest.model``) asks only the brokers
+  whose last STATUS showed a worker of it, in the order above (all of them
+  when none did: a broker not yet asked may have it); a broker without a
+  loaded worker of it answers ``model_not_found`` or ``loading_model``,
+  and the job moves on as after a refusal (issue 30).
 """
 
 from __future__ import annotations
@@ -46,6 +51,11 @@ SUSPECT_AFTER_BEATS = 1.5
 #: take it.
 _RETRY_ELSEWHERE = frozenset({ErrorCode.BROKER_UNREACHABLE,
                               ErrorCode.BROKER_RESTARTED})
+#: ERROR codes of a broker that has no loaded worker of the job's model: the
+#: job took no slot there, and another broker may have that model. The
+#: client gets one of them only when no broker took the job, "loading"
+#: before "not found" (some broker does have the model).
+_MODEL_NOT_HERE = (ErrorCode.LOADING_MODEL, ErrorCode.MODEL_NOT_FOUND)
 
 
 class ConversationRoutes:
@@ -108,6 +118,8 @@ class PoolJobStream:
         self._origin = origin
         self._tried = 0
         self._retry_after_s: float | None = None
+        #: The most telling "not this model here" answer so far.
+        self._model_error: messages.Error | None = None
         self.broker_index = order[0]
         self._stream: JobStream = pool.submit_to(order[0], job_id, request, blocks,
                                                  id_slot, origin)
@@ -139,6 +151,10 @@ class PoolJobStream:
                 self._retry_after_s = min(msg.retry_after_s, self._retry_after_s
                                           if self._retry_after_s is not None
                                           else msg.retry_after_s)
+            elif isinstance(msg, messages.Error) and msg.code in _MODEL_NOT_HERE:
+                if self._model_error is None or (
+                        msg.code == ErrorCode.LOADING_MODEL):
+                    self._model_error = msg
             elif not (isinstance(msg, messages.Error)
                       and msg.code in _RETRY_ELSEWHERE):
                 return msg
@@ -147,7 +163,7 @@ class PoolJobStream:
                     # At least one broker is up and full: that is the answer
                     # (503 with the soonest hint), not the lost one's error.
                     return messages.NoSlot(self.job_id, self._retry_after_s)
-                return msg
+                return self._model_error or msg
 
     def _next_broker(self) -> bool:
         self._tried += 1
@@ -223,8 +239,17 @@ class BrokerPool:
                 index, local = 0, id_slot
             return PoolJobStream(self, job_id, request, blocks, [index], local,
                                  origin)
-        return PoolJobStream(self, job_id, request, blocks, self.order_for(blocks),
+        return PoolJobStream(self, job_id, request, blocks,
+                             self.serving(self.order_for(blocks), request.model),
                              origin=origin)
+
+    def serving(self, order: list[int], model: str) -> list[int]:
+        """``order`` without the brokers whose last ledger had no worker of
+        ``model``; ``order`` itself if none had one (or none is known)."""
+        if not model:
+            return order
+        known = [i for i in order if _has_model(self._links[i], model)]
+        return known or order
 
     def forget(self, job_id: str) -> None:
         index = self._job_broker.pop(job_id, None)
@@ -256,6 +281,17 @@ class BrokerPool:
         costs nothing.
         """
         self.start()
+        # A broker heard before and silent past its liveness window is not
+        # asked: /health must not wait out its timeout during an outage.
+        asked = [i for i, link in enumerate(self._links)
+                 if link.broker_alive() or link.last_heard == 0.0]
+        if max_age_s > 0:
+            # Every request resolves its model from a catalog this fresh
+            # (``model_resolution``): no thread per broker when the snapshots
+            # at hand will do.
+            cached = [(i, self._links[i].cached_status(max_age_s)) for i in asked]
+            if asked and all(reply is not None for _, reply in cached):
+                return merge_statuses(cached)
         replies: list[tuple[int, PoolStatus]] = []
         lock = threading.Lock()
 
@@ -265,10 +301,6 @@ class BrokerPool:
                 with lock:
                     replies.append((index, reply))
 
-        # A broker heard before and silent past its liveness window is not
-        # asked: /health must not wait out its timeout during an outage.
-        asked = [i for i, link in enumerate(self._links)
-                 if link.broker_alive() or link.last_heard == 0.0]
         threads = [threading.Thread(target=ask, args=(i,), daemon=True)
                    for i in asked]
         for thread in threads:
@@ -328,3 +360,13 @@ class BrokerPool:
         if heard == 0.0:
             return not link.broker_alive()
         return now - heard > SUSPECT_AFTER_BEATS * link.heartbeat_interval_s
+
+
+def _has_model(link: BrokerLink, model: str) -> bool:
+    """Whether the link's last STATUS showed a worker of ``model`` (by name
+    or alias): the frontend resolved it in the merged ledger, by name."""
+    status = link.latest_status
+    if status is None:
+        return False
+    return (any(slot.model == model for slot in status.slots)
+            or any(model in m.aliases for m in status.models))

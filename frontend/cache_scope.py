@@ -56,12 +56,16 @@ class CacheScope:
     Args:
         scope: ``key`` or ``pool`` (``FrontendSettings.cache_scope``).
         api_keys: the pool's keys; their digest keys the hash.
+        key_digests: the keys file's hashes (``key_records.startup_digests``).
     """
 
-    def __init__(self, scope: str, api_keys: tuple[str, ...]) -> None:
+    def __init__(self, scope: str, api_keys: tuple[str, ...],
+                 key_digests: tuple[bytes, ...] = ()) -> None:
         if scope not in SCOPES:
             raise ValueError(f"cache scope {scope!r} is not one of {SCOPES}")
-        keys = sorted({_utf8(k) for k in api_keys})
+        # A keys file's keys are known by their hashes only; those go into
+        # the secret beside the plain keys.
+        keys = sorted({_utf8(k) for k in api_keys} | {b"sha256:" + d for d in key_digests})
         #: Whether a key is its own tenant: only where there are several.
         self.per_key = scope == KEY and len(keys) > 1
         self._secret = hashlib.sha256(_framed(_DOMAIN, *keys)).digest()

@@ -9,7 +9,10 @@ counter, with no generated tokens.
 
 Request: ``input`` is a string, a list of strings, a list of token ids, or
 a list of token-id lists (OpenAI); llama.cpp's ``content`` is accepted in
-its place and selects the native response, as in llama.cpp's server.
+its place and selects the native response, as in llama.cpp's server. An
+input may also be llama.cpp's ``{"prompt_string": ...}`` or an OpenAI-style
+``{"content": [{"type": "text", "text": ...}]}``; a mix of ids and text in
+one input, and media, are refused naming them.
 ``encoding_format`` is ``float`` or ``base64`` (little-endian float32, what
 the ``openai`` client asks for by default). ``dimensions`` is refused with a
 400 naming it unless it equals the model's size (vectors are not
@@ -53,7 +56,65 @@ def _is_token_list(value: object) -> bool:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
-def _one_input(value: object, param: str, where: str) -> EmbeddingInput:
+def _is_mixed(value: object) -> bool:
+    """llama.cpp's one prompt of token ids and texts (``[12, "text", 34]``)."""
+    return (isinstance(value, list)
+            and any(isinstance(t, int) and not isinstance(t, bool) for t in value)
+            and any(isinstance(t, str) for t in value))
+
+
+def _refuse_mixed(param: str, where: str) -> BadRequest:
+    # The wire gives a worker whole inputs, text or ids; a mix would need
+    # the texts tokenised here, with the embedding model's vocabulary.
+    return BadRequest(f"'{param}'{where} mixes token ids and text, which the pool "
+                      "does not embed: send the text, or tokenise it "
+                      "(/tokenize) and send the ids", param=param)
+
+
+#: The keys of llama.cpp's object input (``tokenize_input_subprompt``) and
+#: of an OpenAI-style ``content`` one (``tokenize_oai_content_array``).
+_OBJECT_KEYS = frozenset({"prompt_string", "multimodal_data", "content"})
+
+
+def _object_input(value: dict, param: str, where: str) -> EmbeddingInput:
+    """``{"prompt_string": ...}`` (llama.cpp) or ``{"content": [parts]}``:
+    text parts joined as llama.cpp joins them (no separator); media refused,
+    the pool's models take text only."""
+    unknown = sorted(set(value) - _OBJECT_KEYS)
+    if unknown or ("content" in value) == ("prompt_string" in value):
+        raise BadRequest(f"'{param}'{where} must be {{\"prompt_string\": ...}} or "
+                         f"{{\"content\": [parts]}}"
+                         + (f"; unknown key '{unknown[0][:64]}'" if unknown else ""),
+                         param=param)
+    if "multimodal_data" in value:
+        raise BadRequest(f"'{param}'{where}: 'multimodal_data' is not supported: "
+                         "the pool's models take text only", param=param)
+    if "prompt_string" in value:
+        return _one_input(value["prompt_string"], param, where + ".prompt_string",
+                          objects=False)
+    parts = value["content"]
+    if not isinstance(parts, list) or not parts:
+        raise BadRequest(f"'{param}'{where}.content must be a non-empty list of "
+                         "content parts", param=param)
+    texts = []
+    for i, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            shown = kind if isinstance(kind, str) else "not a text part"
+            raise BadRequest(f"'{param}'{where}.content[{i}]: {shown[:64]!r} is not "
+                             "supported: only {\"type\": \"text\", \"text\": "
+                             "...} parts (the pool's models take text only)",
+                             param=param)
+        texts.append(part["text"])
+    return _one_input("".join(texts), param, where + ".content", objects=False)
+
+
+def _one_input(value: object, param: str, where: str, objects: bool = True
+               ) -> EmbeddingInput:
+    if objects and isinstance(value, dict):
+        return _object_input(value, param, where)
+    if _is_mixed(value):
+        raise _refuse_mixed(param, where)
     if isinstance(value, str):
         if not value:
             raise BadRequest(f"'{param}'{where} must not be empty", param=param)
@@ -73,9 +134,12 @@ def _one_input(value: object, param: str, where: str) -> EmbeddingInput:
 
 
 def parse_inputs(value: object, param: str) -> list[EmbeddingInput]:
-    """OpenAI's four shapes of ``input``, each input checked and non-empty."""
-    if isinstance(value, str) or _is_token_list(value):
+    """OpenAI's four shapes of ``input``, and llama.cpp's object inputs
+    (``_object_input``), each input checked and non-empty."""
+    if isinstance(value, (str, dict)) or _is_token_list(value):
         return [_one_input(value, param, "")]
+    if _is_mixed(value):
+        raise _refuse_mixed(param, "")
     if not isinstance(value, list):
         raise BadRequest(f"'{param}' must be a string, a list of strings, a list "
                          "of token ids or a list of token-id lists", param=param)

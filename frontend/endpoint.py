@@ -45,14 +45,17 @@ from frontend.errors import BadRequest, ClientGone
 from frontend.generation import collect, start_job
 from frontend.interfaces import BrokerClient, JobOrigin, Shaper
 from frontend.job import Job
+from frontend.key_records import startup_digests
 from frontend.lease import LeaseEnding
+from frontend.model_resolution import ModelResolver
 from frontend.prompt_gate import PromptGate
 from frontend.request_body import read_json_body
 from frontend.request_log import RequestRecord
 from frontend.settings import FrontendSettings
 from frontend.sse import stream_answer
 from frontend.tracing import traced_gate_check, traced_parse
-from protocol.payloads import GenerationRequest
+from protocol.broker_list import split_endpoints
+from protocol.payloads import GenerationRequest, KeyPolicy
 
 
 class TextRequest(Protocol):
@@ -138,15 +141,25 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
         self.link = link
         self.settings = settings
         self.gate = gate
-        self.cache_scope = CacheScope(settings.cache_scope, settings.api_keys)
+        self.cache_scope = CacheScope(settings.cache_scope, settings.api_keys,
+                                      startup_digests(settings.keys_file))
+        #: The request's ``model`` to the pool's model (issue 30).
+        self.models = ModelResolver(link, settings)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        body = read_json_body(req, self.settings.max_body_bytes)
+        self.handle(req, resp, read_json_body(req, self.settings.max_body_bytes))
+
+    def handle(self, req: falcon.Request, resp: falcon.Response, body: Any) -> None:
+        """The request whose body was read: parse, admit, submit, respond."""
         # The door's checks (a grammar's, the prompt's tokens) and a SUBMIT
         # are spent only on a client that is still there.
         self.refuse_if_gone(req)
+        parsed = traced_parse(self.parse, body)
+        # Before the gate, which counts for its own model only: an unknown
+        # model is 404 here, and takes no slot.
+        model = self.models.resolve(getattr(parsed, "model", None))
         submission = self.scoped(
-            req, self.admit(traced_parse(self.parse, body), body))
+            req, self.admit(with_model(parsed, model), body), model)
         record: RequestRecord = req.context.record
         record.stream = submission.stream
         record.key_suffix = req.context.get("key_suffix", "-")
@@ -186,11 +199,19 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
     def gated(self, generation: GenerationRequest) -> GenerationRequest:
         """``generation`` with its prompt tokens (``PromptGate.check``), or as
         it is without a gate."""
-        return (generation if self.gate is None
-                else traced_gate_check(self.gate, generation))
+        gate = self.door_gate(generation)
+        return (generation if gate is None
+                else traced_gate_check(gate, generation))
 
-    def scoped(self, req: falcon.Request, submission: Submission[Parsed]
-               ) -> Submission[Parsed]:
+    def door_gate(self, generation: GenerationRequest) -> PromptGate | None:
+        """The prompt gate, when its vocabulary is the job's model's; None:
+        the worker counts (``ModelResolver.counts_at_door``)."""
+        if self.gate is None or not self.models.counts_at_door(generation.model):
+            return None
+        return self.gate
+
+    def scoped(self, req: falcon.Request, submission: Submission[Parsed],
+               model: str = "") -> Submission[Parsed]:
         """``submission`` in its tenant's cache scope: the parser left the
         client's ``cache_salt`` in ``cache_tenant``, and the tenant id (a
         keyed hash of it and of the key, never the key) replaces it, so no
@@ -199,7 +220,7 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
         tenant = self.cache_scope.tenant(presented_key(req.get_header),
                                          generation.cache_tenant)
         return dataclasses.replace(submission, generation=dataclasses.replace(
-            generation, cache_tenant=tenant))
+            generation, cache_tenant=tenant, model=model))
 
     def submit(self, req: falcon.Request, submission: Submission[Parsed],
                record: RequestRecord, resp: falcon.Response) -> Job:
@@ -220,7 +241,8 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
             # and its fair wait for a slot.
             origin=JobOrigin(record.request_id, record.key_suffix,
                              client=self.cache_scope.client(presented_key(req.get_header)),
-                             max_wait_s=max_wait_s(req)),
+                             max_wait_s=max_wait_s(req),
+                             key_policy=self.key_policy(req)),
             client_gone=lambda: client_gone(req),
         )
         record.slot_id = job.slot_id
@@ -228,10 +250,29 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
         resp.set_header("X-Frontend-Pid", str(os.getpid()))
         return job
 
+    def key_policy(self, req: falcon.Request) -> KeyPolicy | None:
+        """A named key's limits, this broker's share of them
+        (``frontend.key_records``); None for another key."""
+        key_record = req.context.get("key_record")
+        if key_record is None:
+            return None
+        return key_record.policy(len(split_endpoints(self.settings.broker_endpoint)))
+
     def model_name(self, job: Job, asked: str | None = None) -> str:
         """The model an answer names: the worker's, else the frontend's
         ``model_name`` (``LLAMAPOOL_MODEL_NAME``), else the client's."""
         return job.model or self.settings.model_name or asked or DEFAULT_MODEL_NAME
+
+
+def with_model(parsed: Parsed, model: str) -> Parsed:
+    """``parsed`` with its generation (where it has one yet) for ``model``,
+    so that ``admit`` and the gate see which model the job is for."""
+    generation = getattr(parsed, "generation", None)
+    if not isinstance(generation, GenerationRequest) or not (
+            dataclasses.is_dataclass(parsed)):
+        return parsed
+    return dataclasses.replace(parsed, generation=dataclasses.replace(
+        generation, model=model))
 
 
 class GenerationEndpoint(JobEndpoint[ParsedText]):

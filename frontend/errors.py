@@ -58,6 +58,7 @@ HTTP_FORMS: dict[ErrorCode, HttpForm] = {
     ErrorCode.INPUT_TOO_LARGE: HttpForm(400, INVALID_REQUEST),
     ErrorCode.DUPLICATE_JOB: HttpForm(400, INVALID_REQUEST),
     ErrorCode.INVALID_SLOT: HttpForm(400, INVALID_REQUEST),
+    ErrorCode.MODEL_NOT_FOUND: HttpForm(404, INVALID_REQUEST),
     ErrorCode.CLIENT_STALLED: HttpForm(408, INVALID_REQUEST),
     ErrorCode.ENGINE_ERROR: HttpForm(500, SERVER_ERROR),
     ErrorCode.WORKER_DIED: HttpForm(502, SERVER_ERROR),
@@ -254,6 +255,41 @@ class NoSlotAvailable(Unavailable):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(max(1, int(round(self.retry_after_s))))}
+
+
+class RateLimitExceeded(ApiError):
+    """A named key over one of its limits (the broker's RATE_LIMITED,
+    ``frontend.key_records``): 429, with Retry-After and OpenAI's
+    ``x-ratelimit-*`` headers. "requests" there counts the key's jobs running
+    (or waiting) at once, "tokens" its tokens in a minute. The pool being
+    full stays 503."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+    reject_reason = "rate_limit"
+
+    _WHAT = {"slots": "jobs running at once", "queued": "jobs waiting at once",
+             "tokens": "tokens per minute"}
+
+    def __init__(self, answer: messages.RateLimited) -> None:
+        super().__init__(f"this key is over its limit of {answer.limit} "
+                         f"{self._WHAT[answer.reason]}; retry after "
+                         f"{_whole_seconds(answer.reset_s)} s")
+        self.answer = answer
+
+    def headers(self) -> dict[str, str]:
+        a = self.answer
+        unit = "tokens" if a.reason == "tokens" else "requests"
+        reset = _whole_seconds(a.reset_s)
+        return {"Retry-After": str(reset),
+                f"x-ratelimit-limit-{unit}": str(a.limit),
+                f"x-ratelimit-remaining-{unit}": str(a.remaining),
+                f"x-ratelimit-reset-{unit}": f"{reset}s"}
+
+
+def _whole_seconds(seconds: float) -> int:
+    return max(1, int(round(seconds)))
 
 
 #: An API family's own error shape: the status and body it answers an

@@ -20,7 +20,13 @@ import time
 import uuid
 from collections.abc import Callable
 
-from frontend.errors import ClientLeft, NoSlotAvailable, Unavailable, UpstreamError
+from frontend.errors import (
+    ClientLeft,
+    NoSlotAvailable,
+    RateLimitExceeded,
+    Unavailable,
+    UpstreamError,
+)
 from frontend.interfaces import BrokerClient, JobOrigin
 from frontend.job import Job, JobOutcome
 from frontend.lease import LeaseEnding, SlotLease
@@ -59,6 +65,7 @@ def start_job(
 
     Raises:
         NoSlotAvailable: the broker refused (every slot busy).
+        RateLimitExceeded: the broker refused: the key is over a limit.
         UpstreamError: the broker, the worker or the link reported an error,
             or no answer or first frame came in time.
         Unavailable: the broker answered something that is no answer.
@@ -85,7 +92,7 @@ def start_job(
             ErrorCode.WORKER_CRASHED,
             "the model worker died before the first token, and so did the "
             "worker the request was retried on; it is not tried again") from None
-    except NoSlotAvailable:
+    except (NoSlotAvailable, RateLimitExceeded):
         raise first_death from None
 
 
@@ -124,6 +131,8 @@ def _submit(
                                 "the broker did not answer")
         if isinstance(answer, messages.NoSlot):
             raise NoSlotAvailable(answer.retry_after_s)
+        if isinstance(answer, messages.RateLimited):
+            raise RateLimitExceeded(answer)
         if isinstance(answer, messages.Error):
             raise UpstreamError.from_frame(answer)
         if not isinstance(answer, messages.Accepted):

@@ -23,6 +23,7 @@ from typing import Protocol
 from protocol import messages
 from protocol.payloads import (
     GenerationRequest,
+    KeyPolicy,
     PoolStatus,
     TokenLogprob,
     TraceContext,
@@ -45,6 +46,8 @@ class JobOrigin:
     #: cap on that wait (``X-Max-Wait-S``; 0: the broker's).
     client: str = ""
     max_wait_s: float = 0.0
+    #: A named key's limits, for the broker to enforce (``key_records``).
+    key_policy: KeyPolicy | None = None
 
 
 class FrameStream(Protocol):

@@ -147,7 +147,7 @@ class Job:
             break
         if isinstance(msg, messages.Accepted):
             self.slot_id, self.model = msg.slot_id, msg.model
-        elif isinstance(msg, messages.NoSlot):
+        elif isinstance(msg, (messages.NoSlot, messages.RateLimited)):
             self.lease.release(LeaseEnding.REFUSED)
         elif isinstance(msg, messages.Error):
             self._saw_terminal(msg)

@@ -34,6 +34,7 @@ from frontend.endpoint import GenerationEndpoint, Submission
 from frontend.errors import ApiError, BadRequest, ContextSizeExceeded
 from frontend.interfaces import BrokerClient
 from frontend.job import Job
+from frontend.model_resolution import ModelNotFound, catalog, resolve_in
 from frontend.native_format import NativeShaper, sampler_params
 from frontend.native_schema import (
     NativeRequest,
@@ -115,15 +116,17 @@ class NativeCompletionResource(GenerationEndpoint[NativeRequest]):
         prompt's token count (0: the worker counts) and its text."""
         n_ctx = self.settings.n_ctx
         generation = parsed.generation
+        # None for another model than the gate's: its worker counts.
+        gate = self.door_gate(generation)
         prompt = parsed.prompt
         if self.infill:
-            tokens = self._infill_tokens(parsed, body)
+            tokens = self._infill_tokens(parsed, body, gate)
         elif isinstance(prompt, str):
-            if self.gate is None:
+            if gate is None:
                 generation = dataclasses.replace(generation, prompt=prompt)
                 return dataclasses.replace(parsed, generation=generation), 0, prompt
-            generation = self.gate.check(dataclasses.replace(generation,
-                                                             prompt=prompt))
+            generation = gate.check(dataclasses.replace(generation,
+                                                        prompt=prompt))
             return (dataclasses.replace(parsed, generation=generation),
                     len(generation.prompt_tokens), prompt)
         elif all(isinstance(p, int) for p in prompt):
@@ -133,20 +136,21 @@ class NativeCompletionResource(GenerationEndpoint[NativeRequest]):
             if not tokens:
                 raise BadRequest("'prompt' is an empty list", param="prompt")
         else:
-            tokens = tokenize_parts(_builder(self.gate), prompt, add_special=True,
+            tokens = tokenize_parts(_builder(gate), prompt, add_special=True,
                                     parse_special=True, limit=n_ctx, where="prompt")
         if len(tokens) >= n_ctx:
             raise model_code.context_exceeded(len(tokens), n_ctx, "prompt")
         text = ""
-        if self.gate is not None:
-            builder = self.gate.builder()
+        if gate is not None:
+            builder = gate.builder()
             pieces = builder.pieces([t for t in tokens if builder.valid_token(t)])
             text = b"".join(pieces).decode("utf-8", "replace")
         generation = dataclasses.replace(generation, prompt_tokens=tokens)
         return dataclasses.replace(parsed, generation=generation), len(tokens), text
 
-    def _infill_tokens(self, parsed: NativeRequest, body: dict) -> list[int]:
-        builder = _builder(self.gate)
+    def _infill_tokens(self, parsed: NativeRequest, body: dict,
+                       gate: PromptGate | None) -> list[int]:
+        builder = _builder(gate)
         problem = model_code.fim_problem(builder)
         if problem is not None:
             # llama.cpp's words, checked before the infill fields as there; it
@@ -187,7 +191,8 @@ class NativeCompletionResource(GenerationEndpoint[NativeRequest]):
             id_slot=job.slot_id if job.slot_id is not None else -1,
             n_prompt=submission.n_prompt, prompt_text=submission.prompt_text,
             n_probs=parsed.n_probs, show_probs=parsed.show_probs,
-            return_tokens=parsed.return_tokens, stream=parsed.stream)
+            return_tokens=parsed.return_tokens, stream=parsed.stream,
+            response_fields=parsed.response_fields)
 
 
 class TokenizeResource:
@@ -265,7 +270,11 @@ class ApplyTemplateResource:
         try:
             # With the tools, as the chat endpoint renders them (and refuses
             # them for a template that cannot).
-            rendered = builder.render_chat(generation.messages, generation.tools)
+            rendered = builder.render_chat(
+                generation.messages, generation.tools,
+                generation.chat_template_kwargs,
+                add_generation_prompt=generation.add_generation_prompt,
+                continue_final=generation.continue_final)
         except model_code.ToolsUnsupported as exc:
             raise BadRequest(str(exc), param="tools") from None
         except model_code.PromptError as exc:
@@ -297,6 +306,16 @@ class PropsResource:
         s = self.settings
         status = self.link.status(s.health_timeout_s, s.health_cache_s)
         slots = status.slots if status is not None else []
+        total = status.slots_total if status is not None else None
+        asked = req.get_param("model")
+        if asked:
+            # llama-server's router: one model's props (issue 30).
+            model = resolve_in(catalog(status), asked)
+            if model is None:
+                raise ModelNotFound(asked)
+            slots = [slot for slot in slots if slot.model == model]
+            total = sum(1 for slot in slots if slot.state not in ("loading",
+                                                                  "failed"))
         n_ctx = slots[0].n_ctx if slots else s.n_ctx
         template = bos = eos = ""
         if self.gate is not None:
@@ -310,7 +329,7 @@ class PropsResource:
                 "n_ctx": n_ctx,
             },
             # Pool-wide, from the broker's ledger (None: broker unreachable).
-            "total_slots": status.slots_total if status is not None else None,
+            "total_slots": total,
             "model_alias": slots[0].model if slots else s.model_name,
             # The file's name only: its directory says nothing a client
             # needs, and tells any reader (a web page, before issue 29)

@@ -3,8 +3,10 @@
 The fields are those of llama.cpp's ``server_task_result_cmpl_final`` and
 ``..._partial::to_json_non_oaicompat`` (``tools/server/server-task.cpp``):
 a streamed chunk is ``{index, content, tokens, stop: false, id_slot,
-tokens_predicted, tokens_evaluated}``, and the last one (or the whole
-answer) adds ``stop: true``, ``stop_type``, ``stopping_word``, the totals,
+tokens_predicted, tokens_evaluated}``, its ``tokens`` the ids of the tokens
+it covers whether or not ``return_tokens`` was asked for (llama.cpp's
+``send_partial_response``), and the last one (or the whole answer) adds
+``stop: true``, ``stop_type``, ``stopping_word``, the totals,
 ``generation_settings`` and ``timings``.
 """
 
@@ -78,6 +80,23 @@ def probabilities(entries: list[TokenLogprob]) -> list[dict]:
             for e in entries]
 
 
+def nested_values(paths: tuple[str, ...], answer: dict) -> dict:
+    """llama.cpp's ``json_get_nested_values`` (``response_fields``): each
+    path's value under the path itself as its key (``generation_settings/
+    n_predict`` becomes a top-level field of that name); a path that leads
+    nowhere is left out, without error."""
+    out = {}
+    for path in paths:
+        value = answer
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
+
+
 def _event(obj: dict) -> bytes:
     text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
     return b"data: " + text.encode() + b"\n\n"
@@ -100,6 +119,9 @@ class NativeShaper:
         show_probs: send ``completion_probabilities``.
         return_tokens: send the generated token ids in ``tokens``.
         stream: the request was streamed.
+        response_fields: the final answer's fields to keep (``nested_values``;
+            empty: all), as llama.cpp filters its final result, streamed or
+            not; the other chunks are whole.
     """
 
     generation: GenerationRequest
@@ -111,14 +133,25 @@ class NativeShaper:
     show_probs: bool
     return_tokens: bool
     stream: bool
+    response_fields: tuple[str, ...] = ()
     _predicted: int = 0
 
     def _tokens(self, entries: list[TokenLogprob]) -> list[int]:
         return [e.id for e in entries] if self.return_tokens else []
 
-    def _chunk(self, text: str, n_tokens: int, entries: list[TokenLogprob]) -> dict:
+    def _streamed_tokens(self, packed: bytes, entries: list[TokenLogprob]
+                         ) -> list[int]:
+        """A streamed chunk's ``tokens``: the frame's ids, always, as
+        llama-server sends them; from a worker that sends none, the entries'
+        ids when ``return_tokens`` asked for them."""
+        return (messages.unpack_token_ids(packed) if packed
+                else self._tokens(entries))
+
+    def _chunk(self, text: str, n_tokens: int, entries: list[TokenLogprob],
+               packed_ids: bytes = b"") -> dict:
         self._predicted += n_tokens
-        out = {"index": 0, "content": text, "tokens": self._tokens(entries),
+        out = {"index": 0, "content": text,
+               "tokens": self._streamed_tokens(packed_ids, entries),
                "stop": False, "id_slot": self.id_slot,
                "tokens_predicted": self._predicted,
                "tokens_evaluated": self.n_prompt}
@@ -127,7 +160,7 @@ class NativeShaper:
         return out
 
     def text_frame_event(self, msg: messages.Token) -> bytes:
-        chunk = self._chunk(msg.text, msg.n_tokens, msg.logprobs)
+        chunk = self._chunk(msg.text, msg.n_tokens, msg.logprobs, msg.token_ids)
         if msg.timings is not None:  # the request's timings_per_token
             chunk["timings"] = native_timings(msg.timings, msg.timings.cache_n)
         return _event(chunk)
@@ -159,16 +192,24 @@ class NativeShaper:
         out = self.final(final, text, entries)
         if self.show_probs:
             out["completion_probabilities"] = probabilities(entries)
-        return out
+        return self._kept(out)
+
+    def _kept(self, answer: dict) -> dict:
+        if not self.response_fields:
+            return answer
+        return nested_values(self.response_fields, answer)
 
     # --- the rest of ``Shaper``: what the SSE body calls -------------------------
 
     def final_frame_events(self, msg: messages.Final) -> bytes:
-        # The final chunk carries the held-back tail and its entries; no
+        # The final chunk carries the held-back tail, its entries and the ids
+        # of the tokens counted since the last chunk (llama.cpp's final chunk
+        # has none: it sends a chunk per token, text or not); no
         # completion_probabilities on it (as llama.cpp: they went per chunk).
         out = self.final(msg, msg.text, msg.logprobs)
+        out["tokens"] = self._streamed_tokens(msg.token_ids, msg.logprobs)
         if self.show_probs and msg.logprobs:
             out["completion_probabilities"] = probabilities(msg.logprobs)
-        return _event(out)
+        return _event(self._kept(out))
 
     error_event = staticmethod(ResponseShaper.error_event)

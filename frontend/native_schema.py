@@ -47,6 +47,9 @@ class NativeRequest:
     show_probs: bool
     #: The model the client named (answered back when the pool names none).
     model: str | None = None
+    #: llama.cpp's ``response_fields``: the final answer's fields to keep
+    #: (``a/b`` moves a nested one to the top); empty: all of them.
+    response_fields: tuple[str, ...] = ()
 
 
 def _token_id(value: Any, where: str) -> int:
@@ -109,11 +112,33 @@ def parse_completion(body: Any, infill: bool = False) -> NativeRequest:
         n_probs=n_probs,
         show_probs=show_probs,
         model=request_fields.model(fields),
+        response_fields=_response_fields(fields),
     )
+    # llama.cpp's ``verbose`` adds ``__verbose`` (the native answer) to its
+    # OpenAI-shaped answers only; its native answer is the same either way,
+    # and already echoes the rendered ``prompt``. Read, so checked.
+    fields.flag("verbose")
     if infill:
         fields.defer(*INFILL_INPUT_FIELDS)
     fields.finish(field_policy.DEFAULT)
     return parsed
+
+
+#: Most ``response_fields`` paths one request may give.
+MAX_RESPONSE_FIELDS = 64
+
+
+def _response_fields(fields: RequestFields) -> tuple[str, ...]:
+    value = fields.get("response_fields")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BadRequest("'response_fields' must be a list of strings",
+                         param="response_fields")
+    if len(value) > MAX_RESPONSE_FIELDS:
+        raise BadRequest(f"'response_fields' has {len(value)} paths; at most "
+                         f"{MAX_RESPONSE_FIELDS}", param="response_fields")
+    return tuple(value)
 
 
 def _id_slot(fields: RequestFields) -> int:

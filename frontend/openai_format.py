@@ -80,6 +80,8 @@ class ResponseShaper:
         #: Tools offered: the text is held until the end, where its calls are
         #: found (``frontend.tool_calls``); then it goes out at once.
         self.tools = tools and self.chat
+        #: The call format the FINAL frame names (``protocol.tool_formats``).
+        self._tool_format = ""
         self._held_text: list[str] = []
         self._held_entries: list[TokenLogprob] = []
         self._reasoning = reasoning if self.chat else None
@@ -165,7 +167,7 @@ class ResponseShaper:
         """With tools: the held answer as one content or tool-calls chunk;
         returns it, the finishing chunk's text and finish reason."""
         whole = "".join(self._held_text) + text
-        content, calls = split_calls(whole)
+        content, calls = split_calls(whole, self._tool_format)
         if not calls:
             return b"", whole, finish_reason
         delta: dict = {"tool_calls": [{"index": i, **call}
@@ -215,6 +217,7 @@ class ResponseShaper:
 
     def final_frame_events(self, msg: messages.Final) -> bytes:
         """The events for a job's FINAL frame (``frontend.sse``)."""
+        self._tool_format = msg.tool_format
         return self.final_events(msg.text, msg.finish_reason, msg.usage,
                                  msg.timings, msg.logprobs)
 
@@ -243,7 +246,7 @@ class ResponseShaper:
             thought, text = self._whole_split(text)
             message: dict = {"role": "assistant", "content": text}
             if self.tools:
-                content, calls = split_calls(text)
+                content, calls = split_calls(text, final.tool_format)
                 if calls:
                     message = {"role": "assistant", "content": content,
                                "tool_calls": calls}

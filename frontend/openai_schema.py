@@ -21,7 +21,8 @@ from frontend.errors import BadRequest
 from frontend.output_constraints import grammar_of
 from frontend.reasoning import reasoning_format, template_kwargs
 from frontend.request_fields import RequestFields, top_count
-from frontend.tool_calls import calls_as_text, tool_request
+from frontend.chat_continuation import continuation
+from frontend.tool_calls import history_calls, tool_request
 from protocol.payloads import (
     CHAT,
     CHAT_ROLES,
@@ -167,14 +168,15 @@ def parse_chat(body: Any) -> ParsedRequest:
             raise BadRequest(f"{where}.role must be one of {sorted(CHAT_ROLES)}",
                              param=f"{where}.role")
         content = _content_text(message.get("content"), where)
+        calls = []
         if message.get("tool_calls") is not None:
             if role != "assistant":
                 raise BadRequest(f"{where}.tool_calls: only an assistant "
                                  "message makes tool calls",
                                  param=f"{where}.tool_calls")
-            content += calls_as_text(message["tool_calls"], f"{where}.tool_calls")
+            calls = history_calls(message["tool_calls"], f"{where}.tool_calls")
         chat.append(ChatMessage(role, content,
-                                _history_reasoning(message, role, where)))
+                                _history_reasoning(message, role, where), calls))
     if len(chat) >= 2 and chat[-1].role == chat[-2].role == "assistant":
         # llama.cpp's refusal, word for word (there, a final assistant
         # message is continued, and two of them leave no one to continue).
@@ -182,12 +184,11 @@ def parse_chat(body: Any) -> ParsedRequest:
                          "of the list.", param="messages")
     tools = tool_request(fields)
     grammar = grammar_of(fields)
-    if tools.grammar:
-        if grammar:
-            raise BadRequest("a forced tool call ('tool_choice') cannot be "
-                             "combined with a grammar or JSON schema",
-                             param="tool_choice")
-        grammar = tools.grammar
+    if tools.force and grammar:
+        raise BadRequest("a forced tool call ('tool_choice') cannot be "
+                         "combined with a grammar or JSON schema",
+                         param="tool_choice")
+    add_generation_prompt, continue_final = continuation(fields, chat)
     stream = request_fields.stream(fields)
     include_usage = request_fields.stream_options(fields)
     generation = GenerationRequest(
@@ -202,6 +203,9 @@ def parse_chat(body: Any) -> ParsedRequest:
         tools=json.dumps(tools.tools) if tools.active else "",
         cache_tenant=request_fields.cache_salt(fields),
         chat_template_kwargs=template_kwargs(fields),
+        force_call=tools.force,
+        add_generation_prompt=add_generation_prompt,
+        continue_final=continue_final,
     )
     request_fields.check_stops_with_logprobs(generation)
     model = request_fields.model(fields)

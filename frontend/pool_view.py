@@ -16,13 +16,22 @@ frontend merges the replies here.
 * **Totals** (``llama_*`` counters, the cancel-release histogram) are sums:
   each job ran through exactly one broker. The frontend count is the
   largest, not the sum: every frontend process registers with every broker.
+* **Models** are merged by name: aliases together, the capabilities every
+  broker's workers of it have (``frontend.model_resolution.catalog`` counts
+  their slots again from the merged slots).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from protocol.payloads import HistogramSnapshot, PoolStatus, PoolTotals, SlotStatus
+from protocol.payloads import (
+    HistogramSnapshot,
+    ModelStatus,
+    PoolStatus,
+    PoolTotals,
+    SlotStatus,
+)
 
 #: Broker ``i``'s slot ``n`` is shown as ``i * SLOT_ID_STRIDE + n``. A ledger
 #: numbers slots with a counter that only grows with new registrations; a
@@ -83,7 +92,32 @@ def merge_statuses(replies: list[tuple[int, PoolStatus]]) -> PoolStatus | None:
         # What a SUBMIT refused by every broker would be told: the soonest.
         retry_after_s=min(full) if full else min(s.retry_after_s for s in statuses),
         jobs_waiting=sum(s.jobs_waiting for s in statuses),
+        models=merge_models([s.models for s in statuses]),
     )
+
+
+def merge_models(per_broker: list[list[ModelStatus]]) -> list[ModelStatus]:
+    """Each model once over the brokers (the first broker's order)."""
+    merged: dict[str, ModelStatus] = {}
+    for models in per_broker:
+        for m in models:
+            seen = merged.get(m.name)
+            if seen is None:
+                merged[m.name] = m
+                continue
+            merged[m.name] = ModelStatus(
+                name=m.name,
+                aliases=sorted(set(seen.aliases) | set(m.aliases)),
+                capabilities=[c for c in seen.capabilities if c in m.capabilities]
+                if seen.slots_total and m.slots_total
+                else seen.capabilities or m.capabilities,
+                n_ctx=min(n for n in (seen.n_ctx, m.n_ctx) if n) if (
+                    seen.n_ctx or m.n_ctx) else 0,
+                slots_total=seen.slots_total + m.slots_total,
+                slots_idle=seen.slots_idle + m.slots_idle,
+                slots_busy=seen.slots_busy + m.slots_busy,
+                slots_loading=seen.slots_loading + m.slots_loading)
+    return list(merged.values())
 
 
 #: Totals that are not sums over the brokers. ``n_tokens_max`` is a maximum

@@ -178,7 +178,8 @@ def reasoning_split(gate, generation: GenerationRequest,
         return None
     tokens = generation.prompt_tokens
     opened = False
-    if builder is not None and tokens and not generation.grammar:
+    if builder is not None and tokens and not (generation.grammar
+                                               or generation.force_call):
         tail = b"".join(builder.pieces(tokens[-_PROMPT_TAIL_TOKENS:]))
         opened = tail.decode("utf-8", "replace").rstrip().endswith(THINK_OPEN)
     return ReasoningSplit(opened)

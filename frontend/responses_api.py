@@ -56,4 +56,4 @@ def add_responses_routes(app: falcon.App, link: BrokerClient,
     app.add_route("/v1/responses", ResponsesResource(link, settings, gate))
     app.add_route("/v1/responses/input_tokens", PromptCountResource(
         settings, gate, parse_input_tokens,
-        lambda n: {"object": "response.input_tokens", "input_tokens": n}))
+        lambda n: {"object": "response.input_tokens", "input_tokens": n}, link))

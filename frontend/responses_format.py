@@ -56,11 +56,11 @@ def _sse(obj: dict) -> bytes:
     return f"event: {obj['type']}\ndata: {data}\n\n".encode()
 
 
-def output_items(text: str, tools: bool, single_call: bool, status: str
-                 ) -> list[dict]:
+def output_items(text: str, tools: bool, single_call: bool, status: str,
+                 tool_format: str = "") -> list[dict]:
     """The answer's items: its message (if it has text, or no calls), then a
     ``function_call`` per call when tools were offered."""
-    content, calls = split_calls(text) if tools else (text, [])
+    content, calls = split_calls(text, tool_format) if tools else (text, [])
     if single_call:
         calls = calls[:1]
     items = []
@@ -228,10 +228,11 @@ class ResponsesShaper:
             return out
         return out + self._delta("message", text)
 
-    def _held_items(self, text: str, status: str) -> bytes:
+    def _held_items(self, text: str, status: str, tool_format: str) -> bytes:
         """With tools: the held answer's message and calls, at the end."""
         out = b""
-        for item in output_items(text, True, self.single_call, status):
+        for item in output_items(text, True, self.single_call, status,
+                                 tool_format):
             if item["type"] == "message":
                 out += self._delta("message", item["content"][0]["text"])
                 if not self._items or self._items[-1]["type"] != "message":
@@ -247,7 +248,8 @@ class ResponsesShaper:
         thought, text = self._split(msg.text, final=True)
         out += self._delta("reasoning", thought)
         if self.tools:
-            out += self._held_items("".join(self._held) + text, status)
+            out += self._held_items("".join(self._held) + text, status,
+                                    msg.tool_format)
         else:
             out += self._delta("message", text)
             if not any(i["type"] == "message" for i in self._items):
@@ -272,7 +274,8 @@ class ResponsesShaper:
                      entries: list[TokenLogprob] = ()) -> dict:
         status = self._status(final.finish_reason)
         thought, text = self._split(text, final=True)
-        items = output_items(text, self.tools, self.single_call, status)
+        items = output_items(text, self.tools, self.single_call, status,
+                             final.tool_format)
         if thought:
             items.insert(0, {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex,
                              "summary": [], "status": "completed",

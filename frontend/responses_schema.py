@@ -12,8 +12,9 @@ gets the same prompt gate, prefix routing and prompt-state cache as
 
 * ``instructions`` is the first system turn; a ``developer`` message is a
   system turn too (GGUF templates know ``system``, few know ``developer``);
-* ``function_call`` items are written back in the call form the model was
-  taught (``frontend.tool_calls.calls_as_text``), on the assistant turn
+* ``function_call`` items go back as calls of the assistant turn
+  (``frontend.tool_calls.history_calls``; the worker renders them in the
+  call form the model was taught), on the assistant turn
   they follow; each ``function_call_output`` is a ``tool`` turn;
 * ``reasoning`` items of earlier turns are accepted and not shown to the
   model again (reasoning templates drop earlier reasoning too);
@@ -36,7 +37,7 @@ from frontend.errors import BadRequest
 from frontend.field_policy import FieldPolicy
 from frontend.nested_fields import object_with, string_in
 from frontend.request_fields import RequestFields
-from frontend.tool_calls import ToolRequest, calls_as_text, offered_tools, tool_name
+from frontend.tool_calls import ToolRequest, history_calls, offered_tools, tool_name
 from protocol.payloads import CHAT, ChatMessage, GenerationRequest, Sampling
 
 #: Labels of a request, and OpenAI's cache and capacity hints: none changes
@@ -113,8 +114,8 @@ class _Turns:
 
     def flush(self) -> None:
         if self._calls:
-            text = self._text + calls_as_text(self._calls, "input")
-            self.turns.append(ChatMessage("assistant", text, self._thought))
+            self.turns.append(ChatMessage("assistant", self._text, self._thought,
+                                          history_calls(self._calls, "input")))
         elif self._text or self._thought:
             self.turns.append(ChatMessage("assistant", self._text, self._thought))
         self._calls, self._text, self._thought = [], "", ""
@@ -328,11 +329,11 @@ def _conversation(fields: RequestFields) -> tuple[list[ChatMessage],
     turns = chat_turns(fields.get("input"), instructions or "")
     tools = tools_of(fields)
     grammar = text_grammar(fields)
-    if tools.grammar and grammar:
+    if tools.force and grammar:
         raise BadRequest("a forced tool call ('tool_choice') cannot be combined "
                          "with a JSON 'text.format'", param="tool_choice")
     parallel = fields.flag("parallel_tool_calls")
-    return turns, tools, tools.grammar or grammar, parallel is False
+    return turns, tools, grammar, parallel is False
 
 
 
@@ -360,6 +361,7 @@ def parse_responses(body: Any) -> ResponsesRequest:
         sampling=Sampling(**{k: v for k, v in given.items() if v is not None}),
         grammar=grammar,
         tools=json.dumps(tools.tools) if tools.active else "",
+        force_call=tools.force,
     )
     stream = request_fields.stream(fields)
     model = request_fields.model(fields)

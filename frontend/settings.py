@@ -4,36 +4,40 @@ gunicorn forks the app, so the CLI (``llamapool frontend``) passes its flags
 to the workers as environment variables and ``llamapool.wsgi`` reads them here.
 Every default is documented in this one place.
 
-| variable                       | default        | meaning                       |
-|--------------------------------|----------------|-------------------------------|
-| LLAMAPOOL_BROKER               | (required)     | broker frontends endpoint(s)  |
-| LLAMAPOOL_API_KEYS             | (none)         | comma-separated keys          |
-| LLAMAPOOL_API_KEY_FILE         | (none)         | file with one key per line    |
-| LLAMAPOOL_MAX_BODY_BYTES       | 1048576        | larger bodies get 413         |
-| LLAMAPOOL_SUBMIT_TIMEOUT_S     | 5.0            | wait for the broker's answer  |
-| LLAMAPOOL_FRAME_TIMEOUT_S      | 600.0          | longest silence mid-job       |
-| LLAMAPOOL_HEALTH_TIMEOUT_S     | 1.0            | /health never blocks longer   |
-| LLAMAPOOL_HEALTH_CACHE_S       | 0.25           | /health may be this stale     |
-| LLAMAPOOL_HEARTBEAT_INTERVAL_S | 1.0            | heartbeat to the broker       |
-| LLAMAPOOL_HEARTBEAT_LIVENESS   | 3              | missed beats = broker lost    |
-| LLAMAPOOL_MODEL_NAME           | (from workers) | name when no worker is known  |
-| LLAMAPOOL_CREDIT_BATCH_FRAMES  | 64             | frames read per credit return |
-| LLAMAPOOL_TOKENIZER_MODEL      | (none)         | GGUF to count prompt tokens   |
-| LLAMAPOOL_CHAT_FORMAT          | (template)     | same as the workers' format   |
-| LLAMAPOOL_CTX                  | 2048           | workers' context size         |
-| LLAMAPOOL_STREAM_SNDBUF_BYTES  | 65536          | kernel buffer per SSE stream  |
-| LLAMAPOOL_HEADER_TIMEOUT_S     | 10.0           | request head must arrive by   |
-| LLAMAPOOL_BODY_TIMEOUT_S       | 30.0           | then the body must arrive by  |
-| LLAMAPOOL_SEND_TIMEOUT_S       | 30.0           | client reads nothing: closed  |
-| LLAMAPOOL_MAX_PENDING_CONNS    | 1000           | arriving requests per process |
-| LLAMAPOOL_CURVE_SERVER_KEY     | (none)         | broker's public .key (CURVE)  |
-| LLAMAPOOL_CURVE_SECRET_KEY     | (none)         | own .key_secret (CURVE)       |
-| LLAMAPOOL_CORS_ORIGINS         | (* with keys)  | web origins allowed (CORS)    |
-| LLAMAPOOL_CORS_METHODS         | (the route's)  | CORS methods (preflight)      |
-| LLAMAPOOL_CORS_HEADERS         | (as asked)     | CORS headers (preflight)      |
-| LLAMAPOOL_CORS_CREDENTIALS     | off            | CORS: allow credentials       |
-| LLAMAPOOL_ALLOWED_HOSTS        | (local, IPs)   | Host names served; 421 else   |
-| LLAMAPOOL_CACHE_SCOPE          | key            | prompt reuse: per key or pool |
+| variable                       | default        | meaning                           |
+|--------------------------------|----------------|-----------------------------------|
+| LLAMAPOOL_BROKER               | (required)     | broker frontends endpoint(s)      |
+| LLAMAPOOL_API_KEYS             | (none)         | comma-separated keys              |
+| LLAMAPOOL_API_KEY_FILE         | (none)         | file with one key per line        |
+| LLAMAPOOL_KEYS_FILE            | (none)         | named keys, hashes, limits        |
+| LLAMAPOOL_MAX_BODY_BYTES       | 1048576        | larger bodies get 413             |
+| LLAMAPOOL_SUBMIT_TIMEOUT_S     | 5.0            | wait for the broker's answer      |
+| LLAMAPOOL_FRAME_TIMEOUT_S      | 600.0          | longest silence mid-job           |
+| LLAMAPOOL_HEALTH_TIMEOUT_S     | 1.0            | /health never blocks longer       |
+| LLAMAPOOL_HEALTH_CACHE_S       | 0.25           | /health may be this stale         |
+| LLAMAPOOL_HEARTBEAT_INTERVAL_S | 1.0            | heartbeat to the broker           |
+| LLAMAPOOL_HEARTBEAT_LIVENESS   | 3              | missed beats = broker lost        |
+| LLAMAPOOL_MODEL_NAME           | (from workers) | name when no worker is known      |
+| LLAMAPOOL_DEFAULT_MODEL        | (the only one) | model of requests naming none     |
+| LLAMAPOOL_CREDIT_BATCH_FRAMES  | 64             | frames read per credit return     |
+| LLAMAPOOL_TOKENIZER_MODEL      | (none)         | GGUF to count prompt tokens       |
+| LLAMAPOOL_CHAT_FORMAT          | (template)     | same as the workers' format       |
+| LLAMAPOOL_CHAT_TEMPLATE        | (none)         | llama.cpp template name, or Jinja |
+| LLAMAPOOL_CHAT_TEMPLATE_FILE   | (none)         | Jinja chat template file          |
+| LLAMAPOOL_CTX                  | 2048           | workers' context size             |
+| LLAMAPOOL_STREAM_SNDBUF_BYTES  | 65536          | kernel buffer per SSE stream      |
+| LLAMAPOOL_HEADER_TIMEOUT_S     | 10.0           | request head must arrive by       |
+| LLAMAPOOL_BODY_TIMEOUT_S       | 30.0           | then the body must arrive by      |
+| LLAMAPOOL_SEND_TIMEOUT_S       | 30.0           | client reads nothing: closed      |
+| LLAMAPOOL_MAX_PENDING_CONNS    | 1000           | arriving requests per process     |
+| LLAMAPOOL_CURVE_SERVER_KEY     | (none)         | broker's public .key (CURVE)      |
+| LLAMAPOOL_CURVE_SECRET_KEY     | (none)         | own .key_secret (CURVE)           |
+| LLAMAPOOL_CORS_ORIGINS         | (* with keys)  | web origins allowed (CORS)        |
+| LLAMAPOOL_CORS_METHODS         | (the route's)  | CORS methods (preflight)          |
+| LLAMAPOOL_CORS_HEADERS         | (as asked)     | CORS headers (preflight)          |
+| LLAMAPOOL_CORS_CREDENTIALS     | off            | CORS: allow credentials           |
+| LLAMAPOOL_ALLOWED_HOSTS        | (local, IPs)   | Host names served; 421 else       |
+| LLAMAPOOL_CACHE_SCOPE          | key            | prompt reuse: per key or pool     |
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from collections.abc import Mapping
 from frontend import cache_scope as cache_scope_module
 from protocol import defaults, timing
 from protocol.broker_list import split_endpoints
+from protocol.chat_choice import ChatChoiceError, chat_choice
 from protocol.settings import (
     ConfigError,
     comma_list,
@@ -77,6 +82,11 @@ class FrontendSettings:
     api_key_file: str = setting(
         "", "LLAMAPOOL_API_KEY_FILE", "file with one key per line",
         flag="--api-key-file")
+    keys_file: str = setting(
+        "", "LLAMAPOOL_KEYS_FILE", "named keys, hashes, limits",
+        flag="--keys-file",
+        help="TOML keys file: a name, the SHA-256 and optional limits per key "
+             "(docs/api.md); read again when it changes")
     max_body_bytes: int = setting(
         1024 * 1024, "LLAMAPOOL_MAX_BODY_BYTES", "larger bodies get 413")
     submit_timeout_s: float = setting(
@@ -98,9 +108,19 @@ class FrontendSettings:
         timing.HEARTBEAT_LIVENESS, "LLAMAPOOL_HEARTBEAT_LIVENESS",
         "missed beats = broker lost",
         flag="--heartbeat-liveness", parse=positive_int)
+    #: Also the pool's name for the ``--model`` file's model (besides the
+    #: file's own name): in a pool of several models the prompt gate counts
+    #: only for it (``frontend.model_resolution``).
     model_name: str = setting(
         "", "LLAMAPOOL_MODEL_NAME", "name when no worker is known",
         shown="(from workers)")
+    #: The model a request that names none goes to, in a pool of several
+    #: (``frontend.model_resolution``); "": the only model.
+    default_model: str = setting(
+        "", "LLAMAPOOL_DEFAULT_MODEL", "model of requests naming none",
+        shown="(the only one)", flag="--default-model",
+        help="the model (name or alias) a request without 'model' gets when "
+             "the pool serves several (default: the only model)")
     #: Frames the client consumes before the frontend returns credit.
     credit_batch_frames: int = setting(
         timing.CREDIT_WINDOW_FRAMES // 4, "LLAMAPOOL_CREDIT_BATCH_FRAMES",
@@ -115,6 +135,16 @@ class FrontendSettings:
         flag="--chat-format",
         help="named chat format (e.g. gemma), or 'template' for the GGUF's "
              "Jinja template (default: template if present)")
+    chat_template: str = setting(
+        "", "LLAMAPOOL_CHAT_TEMPLATE", "llama.cpp template name, or Jinja",
+        shown="(none)", flag="--chat-template",
+        help="llama.cpp's built-in chat template by name (chatml, llama3, "
+             "gemma, mistral-v7, ...), or a Jinja template's text, as "
+             "llama-server reads it")
+    chat_template_file: str = setting(
+        "", "LLAMAPOOL_CHAT_TEMPLATE_FILE", "Jinja chat template file",
+        shown="(none)", flag="--chat-template-file",
+        help="a Jinja chat template file, instead of the GGUF's")
     n_ctx: int = setting(defaults.N_CTX, "LLAMAPOOL_CTX", "workers' context size",
         flag="--ctx", parse=positive_int)
     stream_sndbuf_bytes: int = setting(
@@ -203,6 +233,10 @@ class FrontendSettings:
 
     def __post_init__(self) -> None:
         split_endpoints(self.broker_endpoint)  # ConfigError if empty or repeated
+        try:  # at most one of the chat template settings
+            self.chat_choice  # noqa: B018
+        except ChatChoiceError as exc:
+            raise ConfigError(f"chat template: {exc}") from None
         if self.cache_scope not in cache_scope_module.SCOPES:
             raise ConfigError(f"LLAMAPOOL_CACHE_SCOPE={self.cache_scope!r} must be "
                               f"one of {', '.join(cache_scope_module.SCOPES)}")
@@ -224,7 +258,20 @@ class FrontendSettings:
         without (``cors_origins``)."""
         if self.cors_origins:
             return self.cors_origins
-        return ("*",) if self.api_keys else ()
+        return ("*",) if self.keys_required else ()
+
+    @property
+    def chat_choice(self) -> str | None:
+        """The chat format, template name or file, as one string for the
+        prompt builder (``protocol.chat_choice``)."""
+        return chat_choice(self.chat_format, self.chat_template,
+                           self.chat_template_file)
+
+    @property
+    def keys_required(self) -> bool:
+        """Whether requests need a key (``--api-key``, ``--api-key-file`` or
+        ``--keys-file``)."""
+        return bool(self.api_keys or self.keys_file)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FrontendSettings:

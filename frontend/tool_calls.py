@@ -8,10 +8,13 @@ list it is given. A named chat format, or a template that never reads
 (``workers.model.prompting.ToolsUnsupported``, checked where the prompt is
 rendered: the frontend's gate, or the worker).
 
-The call format is the one most tool-aware templates teach (Hermes, Qwen):
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. The answer's
-text is searched for such blocks, which become OpenAI's ``tool_calls``
+The call format is the one the model's template teaches
+(``protocol.tool_formats``: Hermes/Qwen ``<tool_call>``, Llama 3 JSON,
+Mistral ``[TOOL_CALLS]``, and others): the worker reads it from the
+template and names it on the job's FINAL frame, and the answer's text is
+read in it here. Its calls become OpenAI's ``tool_calls``
 (``finish_reason: "tool_calls"``); the text around them stays ``content``.
+A template that mentions ``tools`` in no known format refuses them (400).
 
 ``tool_choice``:
 
@@ -19,9 +22,11 @@ text is searched for such blocks, which become OpenAI's ``tool_calls``
   template without tool support is fine then);
 * ``"auto"`` (the default with tools): offered, and the model may call one;
 * ``"required"``, or ``{"type": "function", "function": {"name": ...}}``: a
-  grammar (``workers.model.grammar``) makes the output exactly one call, of
-  any offered function or of the named one, with arguments that match its
-  ``parameters`` schema.
+  grammar makes the output exactly one call, of any offered function or of
+  the named one, with arguments that match its ``parameters`` schema. The
+  worker writes it in the model's own format (``force_call`` on the job,
+  ``workers.model.tool_grammar``); every schema is converted here first,
+  so a bad one is a 400 before a slot is taken.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from typing import Any
 from frontend import model_code
 from frontend.errors import BadRequest
 from frontend.request_fields import RequestFields
+from protocol import tool_formats
+from protocol.payloads import HistoryCall
 
 #: At most this many tools per request (OpenAI allows 128).
 MAX_TOOLS = 128
@@ -69,8 +76,9 @@ class ToolRequest:
 
     #: The tools as the template renders them (OpenAI's shape); empty: none.
     tools: list[dict]
-    #: GBNF forcing one call ("": the model chooses).
-    grammar: str = ""
+    #: The call forced (``GenerationRequest.force_call``): "*" any tool, a
+    #: tool's name, "" the model chooses.
+    force: str = ""
 
     @property
     def active(self) -> bool:
@@ -114,26 +122,15 @@ def _chosen_name(choice: Any, names: list[str]) -> str | None:
     return name
 
 
-def call_grammar(functions: list[dict]) -> str:
-    """GBNF for exactly one ``<tool_call>`` of one of ``functions``."""
-    alternatives = [{
-        "type": "object",
-        "properties": {
-            "name": {"const": fn["name"]},
-            "arguments": fn.get("parameters") or {"type": "object"},
-        },
-        "required": ["name", "arguments"],
-    } for fn in functions]
-    schema = alternatives[0] if len(alternatives) == 1 else {"oneOf": alternatives}
-    try:
-        gbnf = model_code.schema_to_gbnf(schema)
-    except model_code.GrammarError as exc:
-        raise BadRequest(f"'tools': a function's parameters: {exc}",
-                         param="tools") from None
-    # The converter's root is the JSON call; wrap it in the call markers.
-    gbnf = re.sub(r"^root ::=", "tool-call-json ::=", gbnf, flags=re.MULTILINE)
-    open_lit, close_lit = json.dumps(CALL_OPEN + "\n"), json.dumps("\n" + CALL_CLOSE)
-    return f"root ::= {open_lit} tool-call-json {close_lit}\n{gbnf}"
+def check_schemas(functions: list[dict]) -> None:
+    """Each function's ``parameters`` converted to a grammar once, so a
+    schema the worker could not force is a 400 at the door."""
+    for fn in functions:
+        try:
+            model_code.schema_to_gbnf(fn.get("parameters") or {"type": "object"})
+        except model_code.GrammarError as exc:
+            raise BadRequest(f"'tools': a function's parameters: {exc}",
+                             param="tools") from None
 
 
 def tool_request(body: RequestFields) -> ToolRequest:
@@ -162,13 +159,14 @@ def offered_tools(tools: Any, choice: Any) -> ToolRequest:
     if choice in (None, "auto"):
         return ToolRequest(tools)
     if choice == "required":
-        return ToolRequest(tools, call_grammar(functions))
+        check_schemas(functions)
+        return ToolRequest(tools, "*")
     if not isinstance(choice, dict):
         raise BadRequest("'tool_choice' must be 'none', 'auto', 'required' or a "
                          "function", param="tool_choice")
     name = _chosen_name(choice, names)
-    return ToolRequest(tools, call_grammar([f for f in functions
-                                            if f["name"] == name]))
+    check_schemas([f for f in functions if f["name"] == name])
+    return ToolRequest(tools, name)
 
 
 class TooDeep(ValueError):
@@ -206,48 +204,30 @@ def loads_shallow(text: str):
     return json.loads(text)
 
 
-def split_calls(text: str) -> tuple[str | None, list[dict]]:
-    """The answer's ``content`` and its ``tool_calls`` (OpenAI's shape).
+def split_calls(text: str, tool_format: str = "") -> tuple[str | None, list[dict]]:
+    """The answer's ``content`` and its ``tool_calls`` (OpenAI's shape), read
+    in the call format the FINAL frame named (``protocol.tool_formats``).
 
-    A block that is not a JSON object with a string ``name`` stays in the
+    A call that is not a JSON object with a string ``name`` stays in the
     content, as the model wrote it: so does one nested deeper than
     ``MAX_JSON_DEPTH``. What the model wrote is no mistake of the client's,
     and a client of OpenAI's API expects an answer for it, never an error
     (OpenAI passes on even arguments that are not valid JSON): so it gets
     the text, and a stream still ends with ``[DONE]``.
     """
-    calls, kept, at = [], [], 0
-    for match in _CALL_BLOCK.finditer(text):
-        try:
-            call = loads_shallow(match.group(1))
-        except ValueError:  # TooDeep among them
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        arguments = call.get("arguments", {})
-        kept.append(text[at:match.start()])
-        at = match.end()
-        calls.append({
-            "id": "call_" + uuid.uuid4().hex[:24],
-            "type": "function",
-            "function": {
-                "name": call["name"],
-                # OpenAI sends the arguments as JSON text.
-                "arguments": arguments if isinstance(arguments, str)
-                else json.dumps(arguments, ensure_ascii=False),
-            },
-        })
-    kept.append(text[at:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None) if calls else content, calls
+    content, found = tool_formats.by_name(tool_format).split(text, loads_shallow)
+    if not found:
+        return text, []
+    calls = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+              "function": {"name": name, "arguments": arguments}}
+             for name, arguments in found]
+    return content.strip() or None, calls
 
 
-def calls_as_text(calls: Any, where: str) -> str:
-    """An assistant turn's earlier ``tool_calls``, written back in the call
-    form the model was taught, so the template shows the conversation as it
-    happened (``ChatMessage`` carries text). The tool's answer follows as a
-    ``tool`` message, matched by order (its ``tool_call_id`` is not
-    rendered)."""
+def history_calls(calls: Any, where: str) -> list[HistoryCall]:
+    """An assistant turn's earlier ``tool_calls`` (OpenAI's shape), checked,
+    for the worker to render in the model's own call format. The tool's
+    answer follows as a ``tool`` message."""
     if not isinstance(calls, list):
         raise BadRequest(f"{where} must be a list", param=where)
     out = []
@@ -259,6 +239,7 @@ def calls_as_text(calls: Any, where: str) -> str:
             raise BadRequest(f"{where}[{i}] must be {{\"function\": {{\"name\": "
                              "..., \"arguments\": \"<JSON text>\"}}}}",
                              param=f"{where}[{i}]")
+        tool_name(name, f"{where}[{i}].function.name")
         param = f"{where}[{i}].function.arguments"
         try:
             parsed = loads_shallow(arguments) if arguments.strip() else {}
@@ -267,6 +248,15 @@ def calls_as_text(calls: Any, where: str) -> str:
                              f"{MAX_JSON_DEPTH}", param=param) from None
         except ValueError:
             raise BadRequest(f"{param} is not JSON", param=param) from None
-        body = json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False)
-        out.append(f"{CALL_OPEN}{body}{CALL_CLOSE}")
-    return "".join(out)
+        call_id = call.get("id")
+        out.append(HistoryCall(name, json.dumps(parsed, ensure_ascii=False),
+                               call_id[:128] if isinstance(call_id, str) else ""))
+    return out
+
+
+def calls_as_text(calls: Any, where: str) -> str:
+    """Earlier ``tool_calls`` as Hermes text (what a worker from before
+    ``HistoryCall`` was sent, and what one writes for a template without a
+    format of its own)."""
+    return "".join(tool_formats.HERMES.write(c.name, c.arguments)
+                   for c in history_calls(calls, where))

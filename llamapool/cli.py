@@ -63,6 +63,8 @@ def settings_for(args: argparse.Namespace) -> Any:
     flags = given_flags(args, cls)
     if "api_keys" in flags:
         flags["api_keys"] = tuple(flags["api_keys"])
+    if "aliases" in flags:
+        flags["aliases"] = ",".join(flags["aliases"])  # a comma list too
     if "broker_endpoint" in flags:
         # --broker may be repeated; the setting is one comma list
         # (``protocol.broker_list``).
@@ -141,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="broker + N workers + gunicorn on this machine")
     up.add_argument("--model", help="GGUF path (default: Gemma 3 270M, assembled)")
+    up.add_argument("--models", dest="models_file", metavar="FILE", default=None,
+                    help="a TOML file of several models, one table each (path, "
+                         "aliases, workers, ctx, chat_format, threads, "
+                         "cache_ram, gpu_layers, repack, default): "
+                         "docs/operations.md, several models")
     up.add_argument("--workers", type=positive_int, default=2)
     up.add_argument("--slots-per-worker", type=positive_int, default=1,
                     help="slots in each worker, decoded as one batch "
@@ -150,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--gpus", type=_gpu_list, default=None, metavar="0,1",
                     help="GPU ids: worker i sees only the (i mod N)-th "
                          "(CUDA_VISIBLE_DEVICES); with --gpu-layers")
-    add_flags(up, FrontendSettings, ("api_keys", "api_key_file", "cache_scope",
+    add_flags(up, FrontendSettings, ("api_keys", "api_key_file", "keys_file",
+                                     "cache_scope",
                                      "cors_origins", "cors_methods", "cors_headers",
                                      "cors_credentials", "allowed_hosts"))
     add_flags(up, WorkerSettings, UP_WORKER_FLAGS)
@@ -176,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("path")
     model.add_argument("--tools-template", action="store_true",
                        help="a chat template that renders tools")
+    model.add_argument("--tool-format", default=None,
+                       choices=("hermes", "llama3", "mistral", "mistral-v11"),
+                       help="a chat template that renders tools and teaches "
+                            "this tool-call format")
     model.add_argument("--fim", action="store_true",
                        help="with fill-in-the-middle tokens (for /infill)")
     model.add_argument("--quant", choices=TEST_MODEL_QUANTS, default="f32",
@@ -296,6 +308,7 @@ def _absolute(path: str) -> str:
 def run_frontend(args: argparse.Namespace) -> int:
     from frontend.auth import key_suffix
     from frontend.cors import bind_name
+    from frontend.key_records import KeysFileError, read_keys_file
     from frontend.settings import read_key_file
     from llamapool.serve import exec_gunicorn
 
@@ -305,9 +318,14 @@ def run_frontend(args: argparse.Namespace) -> int:
         keys = list(settings.api_keys)
         if settings.api_key_file:
             keys += read_key_file(settings.api_key_file)
-    except (ConfigError, OSError) as exc:
+        # Fail here, once, naming the entry, not in every gunicorn worker.
+        named = read_keys_file(settings.keys_file) if settings.keys_file else ()
+    except (ConfigError, OSError, KeysFileError, UnicodeDecodeError) as exc:
         return _fail(log, ExitCode.USAGE, "%s", exc)
-    if keys:
+    if named:
+        log.info("API keys required; %d named keys from %s", len(named),
+                 settings.keys_file)
+    elif keys:
         log.info("API keys required; first key ends in ...%s", key_suffix(keys[0]))
     else:
         log.warning("no API key set: every endpoint is open to local clients "
@@ -327,6 +345,7 @@ def run_frontend(args: argparse.Namespace) -> int:
         if bind_host is None or settings.allowed_hosts == ("*",)
         else (*settings.allowed_hosts, bind_host),
         api_key_file=_absolute(settings.api_key_file),
+        keys_file=_absolute(settings.keys_file),
         curve_server_key=_absolute(settings.curve_server_key),
         curve_secret_key=_absolute(settings.curve_secret_key),
     )
@@ -346,11 +365,13 @@ def run_make_test_model(args: argparse.Namespace) -> int:
     from llamapool.test_model import write_test_model
 
     try:
-        from llamapool.test_model import TOOLS_CHAT_TEMPLATE
+        from llamapool.test_model import TOOL_FORMAT_TEMPLATES, TOOLS_CHAT_TEMPLATE
 
-        write_test_model(
-            args.path, fim=args.fim, quant=args.quant,
-            **({"chat_template": TOOLS_CHAT_TEMPLATE} if args.tools_template else {}))
+        template = ({"chat_template": TOOLS_CHAT_TEMPLATE} if args.tools_template
+                    else {})
+        if args.tool_format:
+            template = {"chat_template": TOOL_FORMAT_TEMPLATES[args.tool_format]}
+        write_test_model(args.path, fim=args.fim, quant=args.quant, **template)
     except ModuleNotFoundError as exc:
         print(f"llamapool make-test-model needs {exc.name}: "
               "pip install 'llamapool[test]'", file=sys.stderr)

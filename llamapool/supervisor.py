@@ -34,8 +34,9 @@ import urllib.request
 
 from frontend.settings import FrontendSettings
 from llamapool.exit_codes import NOT_RESTARTABLE, ExitCode
+from llamapool.models_file import ModelSpec, load_models_file
 from llamapool.signals import StopFlag
-from protocol.settings import as_argv, given_flags
+from protocol.settings import ConfigError, as_argv, given_flags
 from protocol.worker_phase import describe_exit, read_phase
 from workers.broker.settings import BrokerSettings
 from workers.model.settings import WorkerSettings
@@ -44,20 +45,23 @@ log = logging.getLogger("llamapool.up")
 
 #: The worker flags ``llamapool up`` takes and hands to each worker (every
 #: other worker setting comes from the environment, or is up's to choose).
-UP_WORKER_FLAGS = ("n_threads", "pool_cores", "model_name", "embedding_batch_tokens",
+UP_WORKER_FLAGS = ("n_threads", "pool_cores", "model_name", "aliases",
+                   "embedding_batch_tokens",
                    "cache_ram_mib", "gpu_layers", "flash_attn", "repack", "n_ctx",
-                   "chat_format", "heartbeat_interval_s", "heartbeat_liveness",
+                   "chat_format", "chat_template", "chat_template_file",
+                   "heartbeat_interval_s", "heartbeat_liveness",
                    "cancel_timeout_s")
 #: ... and those it hands to the frontend (its own --api-key and
 #: --api-key-file among them) and to the broker.
-UP_FRONTEND_FLAGS = ("api_keys", "api_key_file", "n_ctx", "chat_format",
+UP_FRONTEND_FLAGS = ("api_keys", "api_key_file", "keys_file", "n_ctx", "chat_format",
+                     "chat_template", "chat_template_file",
                      "heartbeat_interval_s", "heartbeat_liveness", "cache_scope",
                      "cors_origins", "cors_methods", "cors_headers",
                      "cors_credentials", "allowed_hosts")
 UP_BROKER_FLAGS = ("heartbeat_interval_s", "heartbeat_liveness", "cancel_timeout_s",
-                   "queue_max", "queue_max_tokens", "queue_timeout_s")
+                   "queue_max", "queue_max_tokens", "queue_timeout_s", "queue_order")
 #: ... of which these are the broker's alone (the others the workers share).
-UP_QUEUE_FLAGS = ("queue_max", "queue_max_tokens", "queue_timeout_s")
+UP_QUEUE_FLAGS = ("queue_max", "queue_max_tokens", "queue_timeout_s", "queue_order")
 
 RESTART_BACKOFF_MAX_S = 30.0
 STOP_TIMEOUT_S = 40.0
@@ -251,15 +255,63 @@ def _unrecoverable(broker: Child, frontend: Child, workers: list[Child]) -> int 
     return None
 
 
+def _model_specs(args: argparse.Namespace) -> list[ModelSpec] | None:
+    """The models file's models (``--models``), or None for one ``--model``.
+
+    Raises:
+        ConfigError: the file is wrong, or given with flags that it replaces.
+    """
+    if not getattr(args, "models_file", None):
+        return None
+    clash = [flag for flag, given in (("--model", args.model),
+                                      ("--model-name", getattr(args, "model_name", None)),
+                                      ("--alias", getattr(args, "aliases", None)))
+             if given]
+    if clash:
+        raise ConfigError(f"--models names every model; {', '.join(clash)} "
+                          "cannot be given with it (set them in the file)")
+    return load_models_file(args.models_file, args.workers)
+
+
+def _worker_children(args, specs, base_argv: list[str], model: str,
+                     rundir: str) -> list[Child]:
+    """The workers: ``args.workers`` of ``model``, or each spec's count of
+    its own (its table's settings after ``up``'s flags: the later flag wins)."""
+    gpus = getattr(args, "gpus", None)
+    plan = ([(f"worker-{i}", [*base_argv, "--model", model])
+             for i in range(args.workers)] if specs is None else
+            [(f"worker-{spec.name}-{i}",
+              [*base_argv, "--model", spec.path,
+               *as_argv(WorkerSettings, spec.worker_flags)])
+             for spec in specs for i in range(spec.workers)])
+    # --gpus 0,1: each worker sees one device, in turn (llama.cpp then uses
+    # the only device it sees); a restarted worker keeps its device.
+    return [Child(name, "worker", argv,
+                  env=({"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
+                       if gpus else None),
+                  phase_file=os.path.join(rundir, f"{name}.phase"))
+            for i, (name, argv) in enumerate(plan)]
+
+
 def run_up(args: argparse.Namespace) -> int:
+    try:
+        specs = _model_specs(args)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return ExitCode.USAGE
     stop = StopFlag().install()
-    model = args.model or default_model_path()
+    # With a models file the frontend counts prompts for the first model
+    # (its vocabulary), and the workers count every other model's.
+    model = specs[0].path if specs else args.model or default_model_path()
     # The default model is a base model without a usable template: use the
     # gemma turn format for chat.
-    if getattr(args, "chat_format", None) is None and not args.model:
+    if (getattr(args, "chat_format", None) is None and not args.model and not specs
+            and not getattr(args, "chat_template", None)
+            and not getattr(args, "chat_template_file", None)):
         args.chat_format = "gemma"
     if getattr(args, "n_threads", None) is None:
-        args.n_threads = max(1, (os.cpu_count() or 1) // args.workers)
+        n_workers = sum(s.workers for s in specs) if specs else args.workers
+        args.n_threads = max(1, (os.cpu_count() or 1) // n_workers)
     rundir = tempfile.mkdtemp(prefix="llamapool-")
     frontends_ep = f"ipc://{rundir}/frontends"
     workers_ep = f"ipc://{rundir}/workers"
@@ -268,28 +320,29 @@ def run_up(args: argparse.Namespace) -> int:
     # Flags not given are not passed: each child then reads the same
     # LLAMAPOOL_* variable, or falls back to the same default.
     slots = getattr(args, "slots_per_worker", 1)
-    worker_argv = [*cli, "worker", "--broker", workers_ep, "--model", model,
+    worker_argv = [*cli, "worker", "--broker", workers_ep,
                    *as_argv(WorkerSettings,
                             given_flags(args, WorkerSettings, UP_WORKER_FLAGS)),
                    *(("--slots", str(slots)) if slots > 1 else ())]
     frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
                      "--bind", f"{args.host}:{args.port}", "--model", model,
                      *as_argv(FrontendSettings,
-                              given_flags(args, FrontendSettings, UP_FRONTEND_FLAGS))]
+                              given_flags(args, FrontendSettings, UP_FRONTEND_FLAGS)),
+                     *(("--default-model", next(s.name for s in specs if s.default))
+                       if specs and any(s.default for s in specs) else ())]
+    if specs:
+        # The gate counts for the first model: with its context and format.
+        first = {k: v for k, v in specs[0].worker_flags.items()
+                 if k in ("n_ctx", "chat_format")}
+        frontend_argv += as_argv(FrontendSettings, first)
     liveness = as_argv(BrokerSettings, given_flags(args, BrokerSettings,
                                                    UP_BROKER_FLAGS))
 
     broker = Child("broker", "broker", [*cli, "broker", "--frontends", frontends_ep,
                                         "--workers", workers_ep, *liveness])
-    # --gpus 0,1: each worker sees one device, in turn (llama.cpp then uses
-    # the only device it sees); a restarted worker keeps its device.
-    gpus = getattr(args, "gpus", None)
-    workers = [Child(f"worker-{i}", "worker", worker_argv,
-                     env=({"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
-                          if gpus else None),
-                     phase_file=os.path.join(rundir, f"worker-{i}.phase"))
-               for i in range(args.workers)]
-    frontend = Child("frontend", "frontend", frontend_argv)
+    workers = _worker_children(args, specs, worker_argv, model, rundir)
+    frontend = Child("frontend", "frontend", frontend_argv,
+                     env={"LLAMAPOOL_MODEL_NAME": specs[0].name} if specs else None)
     children = [broker, *workers, frontend]
     for child in children:
         child.start()
@@ -306,11 +359,12 @@ def run_up(args: argparse.Namespace) -> int:
                 log.error("the pool cannot run; stopping")
                 return code
             if not announced and _health_ok(url + "/health"):
-                shape = (f"{args.workers} workers" if slots == 1 else
-                         f"{args.workers} workers x {slots} slots")
-                print(f"llamapool ready at {url}/v1 ({shape}, "
-                      f"model {os.path.basename(model)}); web page at {url}/",
-                      flush=True)
+                shape = (f"{len(workers)} workers" if slots == 1 else
+                         f"{len(workers)} workers x {slots} slots")
+                what = (f"models {', '.join(s.name for s in specs)}" if specs
+                        else f"model {os.path.basename(model)}")
+                print(f"llamapool ready at {url}/v1 ({shape}, {what}); "
+                      f"web page at {url}/", flush=True)
                 announced = True
             stop.wait(0.2 if not announced else 0.5)
     finally:

@@ -71,6 +71,57 @@ REASONING_CHAT_TEMPLATE = (
     "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}"
 )
 
+#: Templates teaching the other tool-call formats (``protocol.tool_formats``),
+#: on the same chatml control tokens (``<|im_end|>`` ends a turn), so the
+#: tiny model runs them: ``make-test-model --tool-format NAME``.
+#: Llama 3.x: a JSON object; this one renders ``tool_calls`` itself.
+LLAMA3_TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nTo call a "
+    "function, answer {\"name\": function name, \"parameters\": dictionary "
+    "of argument name and its value}.\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}"
+    "<|start_header_id|>ipython<|end_header_id|>\n\n{{ message.content }}"
+    "<|im_end|>"
+    "{% elif message.tool_calls %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% for call in message.tool_calls %}{\"name\": \"{{ call.function.name }}"
+    "\", \"parameters\": {{ call.function.arguments | tojson }}}"
+    "{% endfor %}<|im_end|>"
+    "{% else %}"
+    "<|start_header_id|>{{ message.role }}<|end_header_id|>\n\n"
+    "{{ message.content }}<|im_end|>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>"
+    "\n\n{% endif %}"
+)
+#: Mistral v3: ``[TOOL_CALLS][{...}]``; earlier calls come in the text.
+MISTRAL_TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}[AVAILABLE_TOOLS]Call as [TOOL_CALLS][{\"name\": name, "
+    "\"arguments\": {...}}]: {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' %}{{ message.content }}<|im_end|>"
+    "{% elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}"
+    "[/TOOL_RESULTS]"
+    "{% else %}[INST]{{ message.content }}[/INST]{% endif %}"
+    "{% endfor %}"
+)
+#: Mistral v11 (Magistral, Devstral): ``[TOOL_CALLS]name[ARGS]{...}``.
+MISTRAL_V11_TOOLS_CHAT_TEMPLATE = MISTRAL_TOOLS_CHAT_TEMPLATE.replace(
+    "[TOOL_CALLS][{\"name\": name, \"arguments\": {...}}]",
+    "[TOOL_CALLS]name[ARGS]{...}")
+#: The templates by format name (``--tool-format``).
+TOOL_FORMAT_TEMPLATES = {
+    "hermes": TOOLS_CHAT_TEMPLATE,
+    "llama3": LLAMA3_TOOLS_CHAT_TEMPLATE,
+    "mistral": MISTRAL_TOOLS_CHAT_TEMPLATE,
+    "mistral-v11": MISTRAL_V11_TOOLS_CHAT_TEMPLATE,
+}
+
 _WORDS = (
     "the a an and of to in is it you I am are how hi Hello hello world test "
     "model this that with for on at be we they he she not yes no what why "

@@ -27,7 +27,8 @@ class ErrorCode(str, enum.Enum):
     INVALID_MESSAGES = "invalid_messages"
     INVALID_GRAMMAR = "invalid_grammar"  # the GBNF does not compile
     UNSUPPORTED_FIELD = "unsupported_field"  # this engine cannot do it
-    #: ``tools`` given, but the chat template does not render them.
+    #: ``tools`` given, but the chat template does not render them, or
+    #: teaches a call format the pool cannot read (``protocol.tool_formats``).
     TOOLS_UNSUPPORTED = "tools_unsupported"
     #: An embedding input longer than the worker's embedding batch.
     INPUT_TOO_LARGE = "input_too_large"
@@ -39,6 +40,8 @@ class ErrorCode(str, enum.Enum):
     # The broker ended the job.
     DUPLICATE_JOB = "duplicate_job"
     INVALID_SLOT = "invalid_slot"  # ``id_slot`` names no slot in the ledger
+    #: The request's ``model`` is served by no worker (OpenAI's code).
+    MODEL_NOT_FOUND = "model_not_found"
     WORKER_DIED = "worker_died"
     #: A job's worker died before its first token and the worker it was
     #: retried on died too (the frontend tries a job once more, no more:

@@ -72,10 +72,20 @@ MAX_HOST_CHARS = 255  # a DNS name
 #: A worker's name (default ``host:pid``), a model label (a file's name),
 #: an engine's name.
 MAX_NAME_CHARS = 512
+#: Aliases one worker may give its model (``--alias``), and the distinct
+#: models one broker's ledger holds (a worker of one more is refused), so
+#: the models of a STATUS reply stay small beside its slots.
+MAX_ALIASES = 8
+MAX_MODELS = 64
 #: Job and request ids (frontends use 32 hex digits).
 MAX_ID_CHARS = 128
 #: What a SUBMIT may show of its API key (the last 4 characters, or "-").
 MAX_KEY_LABEL_CHARS = 8
+#: A named key's name (a keys file's ``name``: ``frontend.key_records``).
+MAX_KEY_NAME_CHARS = 64
+#: Named keys a broker keeps usage for; beyond, usage is summed under
+#: ``workers.broker.key_limits.OTHER`` (a frontend cannot grow it unbounded).
+MAX_KEY_NAMES = 1024
 #: A SUBMIT's W3C trace context (``protocol.payloads.TraceContext``):
 #: ``traceparent`` is 55 characters in version 00; ``tracestate`` is what
 #: W3C asks every hop to pass on at least.
@@ -151,8 +161,10 @@ STATUS_REPLY = BodyLimits(
     max_array_len=MAX_STATUS_REPLY_BYTES // MAX_SLOT_STATUS_BYTES,
     # The counters map: a closed set of names (a few per error code).
     max_map_len=4096,
-    # Two per slot (the slot and its progress), plus the totals.
-    max_containers=2 * (MAX_STATUS_REPLY_BYTES // MAX_SLOT_STATUS_BYTES) + 64,
+    # Two per slot (the slot and its progress), plus the totals, plus three
+    # per model (its record, aliases and capabilities).
+    max_containers=2 * (MAX_STATUS_REPLY_BYTES // MAX_SLOT_STATUS_BYTES) + 64
+    + 3 * MAX_MODELS,
 )
 
 #: CACHE_REPORT (worker -> broker): the fingerprint lists of at most this many

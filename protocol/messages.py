@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import struct
 from typing import Annotated, ClassVar
 
 import msgpack
@@ -42,6 +43,7 @@ from protocol.payloads import (
     GenerationRequest,
     GpuPlacement,
     JobProgress,
+    KeyPolicy,
     PoolStatus,
     Timings,
     TokenLogprob,
@@ -52,6 +54,7 @@ from protocol.prompt_cache import PromptCacheStatus
 from protocol.records import (
     COUNT,
     NON_NEGATIVE,
+    TOKEN_IDS,
     Count,
     MalformedMessage,
     OneOf,
@@ -70,8 +73,12 @@ from protocol.records import (
 #: these trailing fields, e.g. lease any slot for an ``id_slot`` or reuse the
 #: cache for ``cache_prompt: false``; 06: a request's cache_tenant, which a
 #: worker of 05 would drop and then reuse one tenant's cached prompt for
-#: another's, the cross-key oracle of issue 29).
-PROTOCOL_HEADER = b"LLAMAPOOL06"
+#: another's, the cross-key oracle of issue 29; 07: a request's model (a
+#: broker of 06 would give the job any model's slot, the wrong-model answers
+#: of issue 30), force_call and its history's tool_calls (a worker of 06
+#: would not force the call, or drop earlier calls), and SUBMIT's key_policy
+#: (a broker of 06 would enforce no key's limits), all without an error).
+PROTOCOL_HEADER = b"LLAMAPOOL07"
 
 #: Largest body any command accepts (a STATUS reply); each command has its
 #: own, smaller or equal, ceiling (``Message.LIMITS``).
@@ -87,6 +94,7 @@ _REASON = Text(limits.MAX_REASON_CHARS)
 #: What may be shown of an API key (``frontend.auth.key_suffix``).
 _KEY = Text(limits.MAX_KEY_LABEL_CHARS)
 _THREADS = Count(1, limits.MAX_THREADS)
+_CAPABILITY = Text(32)
 _POOL_CORES = Count(0, limits.MAX_THREADS)
 
 
@@ -149,6 +157,13 @@ class Ready(Message):
     gpu: GpuPlacement = dataclasses.field(default_factory=GpuPlacement)
     #: Whether llama.cpp repacked the weights, and why (``--repack``).
     repack: Annotated[str, _REASON] = ""
+    #: Other names a request may give ``model`` by (``--alias``; at most
+    #: ``limits.MAX_ALIASES``), and what it can do (``payloads.CAPABILITIES``;
+    #: a name this peer does not know is kept and shown, never routed on).
+    #: An older broker ignores both: it serves the model by ``model`` alone.
+    aliases: list[Annotated[str, _NAME]] = dataclasses.field(default_factory=list)
+    capabilities: list[Annotated[str, _CAPABILITY]] = dataclasses.field(
+        default_factory=list)
 
 
 @_register(0x05)
@@ -166,6 +181,8 @@ class Loading(Message):
     host: Annotated[str, _HOST]
     failure: Annotated[str, _REASON] = ""
     held: bool = False
+    #: As READY's: a request naming one while it loads is told "Loading model".
+    aliases: list[Annotated[str, _NAME]] = dataclasses.field(default_factory=list)
 
 
 @_register(0x02)
@@ -266,6 +283,10 @@ class Submit(Message):
     trace: TraceContext | None = None
     client: Annotated[str, _ID] = ""
     max_wait_s: Annotated[float, NON_NEGATIVE] = 0.0
+    #: A named key's limits (the frontend's keys file), enforced here at the
+    #: broker; None: an unnamed key, or none. A peer that drops it enforces
+    #: no per-key limit.
+    key_policy: KeyPolicy | None = None
 
 
 @_register(0x11)
@@ -283,6 +304,21 @@ class NoSlot(Message):
 
     job_id: str
     retry_after_s: float
+
+
+@_register(0x19)
+class RateLimited(Message):
+    """Broker -> frontend: the job's key is over one of its limits
+    (``Submit.key_policy``): ``reason`` names it, ``limit`` and
+    ``remaining`` are in its unit (jobs, or tokens per minute), and the key
+    is under it again in ``reset_s``. The frontend answers 429 with
+    Retry-After and ``x-ratelimit-*``; nothing was run or queued."""
+
+    job_id: str
+    reason: Annotated[str, OneOf("slots", "queued", "tokens")]
+    limit: Annotated[int, COUNT]
+    remaining: Annotated[int, COUNT]
+    reset_s: Annotated[float, NON_NEGATIVE]
 
 
 @_register(0x18)
@@ -342,6 +378,21 @@ class Token(Message):
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     timings: Timings | None = None
     embedding: bytes = b""
+    #: The ids of the ``n_tokens`` tokens this frame covers, in order
+    #: (``pack_token_ids``), for llama.cpp's native ``tokens`` on every
+    #: streamed chunk. Empty from an older worker, or an engine without a
+    #: vocabulary (the synthetic one).
+    token_ids: Annotated[bytes, TOKEN_IDS] = b""
+
+
+def pack_token_ids(ids: list[int]) -> bytes:
+    """Token ids as ``Token.token_ids`` carries them: little-endian uint32."""
+    return struct.pack(f"<{len(ids)}I", *ids)
+
+
+def unpack_token_ids(packed: bytes) -> list[int]:
+    """The ids ``pack_token_ids`` packed (the length was checked on decode)."""
+    return list(struct.unpack(f"<{len(packed) // 4}I", packed))
 
 
 class FinishReason(str, enum.Enum):
@@ -387,6 +438,13 @@ class Final(Message):
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     stopping_word: str = ""
     truncated: bool = False
+    #: The ids of the tokens counted after the last TOKEN frame (those of
+    #: ``text``, and of a stop string's tokens), as ``Token.token_ids``.
+    token_ids: Annotated[bytes, TOKEN_IDS] = b""
+    #: With tools offered: the call format the model's template teaches
+    #: (``protocol.tool_formats``), for the frontend to read the answer's
+    #: calls in; "" (an older worker): Hermes' ``<tool_call>``.
+    tool_format: Annotated[str, Text(64)] = ""
 
 
 @_register(0x17, limits.JOB_FRAME)

@@ -30,6 +30,7 @@ closed set goes in ``Annotated`` (``Annotated[int, COUNT]``: a token count).
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Annotated
 
 from protocol import limits
@@ -54,9 +55,24 @@ CHAT = "chat"
 #: Embedding vectors of ``GenerationRequest.inputs`` (``frontend.embeddings``).
 EMBEDDING = "embedding"
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+#: What a model can do, as its workers announce it (``messages.Ready``).
+CAPABILITIES = ("completion", "chat", "tools", "embeddings", "infill")
 
 
 # --- the generation request ---------------------------------------------------
+
+
+@wire_record
+class HistoryCall(WireRecord):
+    """A tool call an earlier assistant turn made, as the client sent it
+    back: the worker renders it in the model's own call format
+    (``protocol.tool_formats``), or hands it to a template that renders
+    ``tool_calls`` itself."""
+
+    name: Annotated[str, Text(limits.MAX_NAME_CHARS)]
+    #: The arguments, JSON text of an object (checked by the frontend).
+    arguments: str
+    id: Annotated[str, Text(limits.MAX_ID_CHARS)] = ""
 
 
 @wire_record
@@ -68,13 +84,35 @@ class ChatMessage(WireRecord):
     #: An assistant turn's reasoning, sent back by the client (""): the
     #: templates of reasoning models read it as ``reasoning_content``.
     reasoning_content: str = ""
+    #: An assistant turn's tool calls (an older frontend wrote them into
+    #: ``content`` as Hermes text instead).
+    tool_calls: list[HistoryCall] = dataclasses.field(default_factory=list)
+    #: A ``tool`` turn's answer names the call it answers ("": not given).
+    tool_call_id: Annotated[str, Text(limits.MAX_ID_CHARS)] = ""
 
     def as_dict(self) -> dict:
-        """The OpenAI-style dict chat templates render."""
-        turn = {"role": self.role, "content": self.content}
+        """The OpenAI-style dict chat templates render (a call's arguments
+        as an object, which templates write with ``tojson``, as llama.cpp
+        passes them to a template that takes objects)."""
+        turn: dict = {"role": self.role, "content": self.content}
         if self.reasoning_content:
             turn["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            turn["tool_calls"] = [call_dict(c, i) for i, c in enumerate(self.tool_calls)]
+        if self.tool_call_id:
+            turn["tool_call_id"] = self.tool_call_id
         return turn
+
+
+def call_dict(call: HistoryCall, index: int) -> dict:
+    """One history call in OpenAI's shape, for a template."""
+    try:
+        arguments = json.loads(call.arguments) if call.arguments.strip() else {}
+    except ValueError:
+        arguments = call.arguments  # checked by the frontend; a peer's text
+    function = {"name": call.name, "arguments": arguments}
+    return {"id": call.id or f"call_{index}", "type": "function",
+            "function": function, **function}
 
 
 @wire_record
@@ -174,6 +212,22 @@ class GenerationRequest(WireRecord):
     #: variables for the chat template (``{"enable_thinking": false}``);
     #: "" for none. Checked by the frontend (``frontend.reasoning``).
     chat_template_kwargs: str = ""
+    #: The model the job is for, as the frontend resolved the request's
+    #: ``model`` (its name, never an alias; ``frontend.model_resolution``).
+    #: The broker gives the job only a slot of it; "" (an older frontend):
+    #: any slot, as before.
+    model: Annotated[str, Text(limits.MAX_NAME_CHARS)] = ""
+    #: Chat only: a call the output must be (``tool_choice`` required or
+    #: named): "" none, "*" any offered tool, else the tool's name. The
+    #: worker writes the grammar in the model's own call format
+    #: (``protocol.tool_formats``), which only it knows for sure.
+    force_call: Annotated[str, Text(limits.MAX_NAME_CHARS)] = ""
+    #: Chat only: llama.cpp's ``add_generation_prompt`` (open the
+    #: assistant's turn after the messages).
+    add_generation_prompt: bool = True
+    #: Chat only: llama.cpp's ``continue_final_message`` / assistant
+    #: prefill: the last (assistant) message is left open and continued.
+    continue_final: bool = False
 
 
 # --- log-probabilities of generated tokens (TOKEN, FINAL) -------------------------
@@ -398,6 +452,37 @@ class PoolTotals(WireRecord):
 
 
 @wire_record
+class ModelStatus(WireRecord):
+    """One model of a broker's ledger (``workers.broker.model_index``): its
+    name, its aliases and capabilities (from its workers' READY), and its
+    slots. ``n_ctx`` is the smallest context of its loaded workers (0: none
+    loaded)."""
+
+    name: str
+    aliases: list[str] = dataclasses.field(default_factory=list)
+    capabilities: list[str] = dataclasses.field(default_factory=list)
+    n_ctx: Annotated[int, COUNT] = 0
+    slots_total: Annotated[int, COUNT] = 0
+    slots_idle: Annotated[int, COUNT] = 0
+    slots_busy: Annotated[int, COUNT] = 0
+    slots_loading: Annotated[int, COUNT] = 0
+
+
+@wire_record
+class KeyUsage(WireRecord):
+    """One named API key's jobs at a broker: tokens served, requests, and
+    refusals by reason (``rate_limit`` reasons, ``no_slot``)."""
+
+    name: str
+    prompt_tokens: Annotated[int, COUNT] = 0
+    completion_tokens: Annotated[int, COUNT] = 0
+    requests: Annotated[int, COUNT] = 0
+    refused: dict[str, int] = dataclasses.field(default_factory=dict)
+    running: Annotated[int, COUNT] = 0
+    waiting: Annotated[int, COUNT] = 0
+
+
+@wire_record
 class PoolStatus(WireRecord):
     """The broker's ledger and totals, as one STATUS reply carries them."""
 
@@ -420,6 +505,12 @@ class PoolStatus(WireRecord):
     #: Jobs waiting for a slot (``--queue-max``): llama.cpp's
     #: ``requests_deferred``.
     jobs_waiting: Annotated[int, COUNT] = 0
+    #: Each model of the ledger once (empty from an older broker: the
+    #: frontend then knows the models by their slots' names alone).
+    models: list[ModelStatus] = dataclasses.field(default_factory=list)
+    #: Usage per named API key (a keys file's ``name``), since the broker
+    #: started: ``workers.broker.key_limits``.
+    keys: list[KeyUsage] = dataclasses.field(default_factory=list)
 
     @property
     def cancel_release_s(self) -> HistogramSnapshot:
@@ -453,3 +544,22 @@ class TraceContext(WireRecord):
     traceparent: Annotated[str, Text(limits.MAX_TRACEPARENT_CHARS)]
     #: Vendor entries; W3C asks that at least 512 characters be passed on.
     tracestate: Annotated[str, Text(limits.MAX_TRACESTATE_CHARS)] = ""
+
+
+# --- a named key's limits (SUBMIT) ------------------------------------------------
+
+
+@wire_record
+class KeyPolicy(WireRecord):
+    """A named API key's limits (the frontend's keys file), carried in each
+    of its jobs' SUBMIT so the broker, which sees every frontend's jobs,
+    enforces them (``workers.broker.key_limits``). 0: no such limit. Never
+    the key, nor its hash: only its name."""
+
+    name: Annotated[str, Text(limits.MAX_KEY_NAME_CHARS)]
+    #: Jobs running at once.
+    max_slots: Annotated[int, COUNT] = 0
+    #: Jobs waiting for a slot at once (the broker's ``--queue-max``).
+    max_queued: Annotated[int, COUNT] = 0
+    #: Prompt and completion tokens in any 60 s.
+    tokens_per_minute: Annotated[int, COUNT] = 0

@@ -35,6 +35,8 @@ A kind that checks more than the type goes in ``Annotated[T, kind]``:
   negative never reaches arithmetic, JSON or a Prometheus counter;
 * ``Text(max_chars)``: a string of bounded length (``protocol.limits``);
 * ``OneOf(*values)``: a string from a closed set;
+* ``PackedUInts(size)`` (``TOKEN_IDS``): bytes of fixed-size unsigned
+  integers (token ids);
 * a tuple of Python types, for a scalar the rule does not give.
 
 The kinds are worked out once, when the class is created (``FIELD_TYPES``,
@@ -220,14 +222,37 @@ class Finite:
         return value
 
 
+class PackedUInts:
+    """Bytes holding unsigned integers of ``size`` bytes each, little-endian
+    (``TOKEN_IDS``: a frame's token ids). One msgpack bin rather than an
+    array: a frame may cover every token held back behind a long stop string,
+    more than the array limits allow, and a bin costs one object to decode."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def check(self, value: Any, where: str) -> bytes:
+        if value.__class__ is not bytes:
+            raise MalformedMessage(f"{where}: {type(value).__name__}")
+        if len(value) % self.size:
+            raise MalformedMessage(f"{where}: {len(value)} bytes, not a multiple "
+                                   f"of {self.size}")
+        return value
+
+    def pack(self, value: bytes) -> bytes:
+        return value
+
+
 #: The range kinds with nothing to narrow, shared: ``Annotated[int, COUNT]``.
 COUNT = Count()
 NON_NEGATIVE = NonNegative()
 FINITE = Finite()
+#: Token ids (``PackedUInts(4)``): ``protocol.messages.pack_token_ids``.
+TOKEN_IDS = PackedUInts(4)
 
 
 Kind = Union[tuple, ListOf, MapOf, Optional, OneOf, Text, Count, NonNegative,
-             Finite, "type[WireRecord]"]
+             Finite, PackedUInts, "type[WireRecord]"]
 
 
 def _checker(kind: Kind):
@@ -369,9 +394,11 @@ _REFINES: dict[type, type] = {
     Finite: float,
     Text: str,
     OneOf: str,
+    PackedUInts: bytes,
 }
 
-_KIND_CLASSES = (ListOf, MapOf, Optional, OneOf, Text, Count, NonNegative, Finite)
+_KIND_CLASSES = (ListOf, MapOf, Optional, OneOf, Text, Count, NonNegative, Finite,
+                 PackedUInts)
 
 
 def _kind_of(annotation: Any, where: str) -> Kind:

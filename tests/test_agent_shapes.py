@@ -17,6 +17,7 @@ from frontend.reasoning import ReasoningSplit, split_whole
 from frontend.responses_format import ResponsesShaper
 from protocol import messages
 from protocol.payloads import Timings, Usage
+from protocol.tool_formats import HERMES
 
 USAGE = Usage(prompt_tokens=10, completion_tokens=3, total_tokens=13,
               cached_tokens=4)
@@ -89,14 +90,17 @@ def test_messages_turns_tools_and_attribution():
             {"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": "t1", "content": "ok"},
                 {"type": "text", "text": "next"}]}]})
-    turns = [(m.role, m.content, m.reasoning_content)
-             for m in parsed.generation.messages]
+    # Earlier calls travel as HistoryCall; as Hermes text, as a template
+    # without a format of its own shows them.
+    turns = [(m.role, m.content + "".join(HERMES.write(c.name, c.arguments)
+                                          for c in m.tool_calls),
+              m.reasoning_content) for m in parsed.generation.messages]
     assert turns == [
         ("system", "Be kind.", ""), ("user", "go", ""),
         ("assistant", '<tool_call>{"name": "f", "arguments": {"a": 1}}'
                       "</tool_call>", "hm"),
         ("tool", "ok", ""), ("user", "next", "")]
-    assert parsed.tools and parsed.single_call and parsed.generation.grammar
+    assert parsed.tools and parsed.single_call and parsed.generation.force_call == "*"
     assert parsed.generation.max_tokens == 9
 
 
@@ -183,8 +187,11 @@ def test_responses_items_become_turns():
             {"type": "function_call", "call_id": "c", "name": "f",
              "arguments": '{"a": 1}'},
             {"type": "function_call_output", "call_id": "c", "output": "ok"}]})
-    turns = [(m.role, m.content, m.reasoning_content)
-             for m in parsed.generation.messages]
+    # Earlier calls travel as HistoryCall; as Hermes text, as a template
+    # without a format of its own shows them.
+    turns = [(m.role, m.content + "".join(HERMES.write(c.name, c.arguments)
+                                          for c in m.tool_calls),
+              m.reasoning_content) for m in parsed.generation.messages]
     assert turns == [("system", "sys", ""), ("system", "dev", ""),
                      ("user", "q", ""),
                      ("assistant", '<tool_call>{"name": "f", "arguments": '

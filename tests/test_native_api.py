@@ -228,7 +228,7 @@ def test_stop_type_word_and_eos(whole_pool):
 
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "mirostat": 2}, "mirostat"),
-    ({"prompt": "x", "response_fields": ["content"]}, "response_fields"),
+    ({"prompt": "x", "response_fields": "content"}, "response_fields"),
     ({"prompt": "x", "stream_options": {}}, "stream_options"),
     ({"prompt": ["one", "two"]}, "prompt"),
     ({"prompt": [1, -4]}, "prompt"),

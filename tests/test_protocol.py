@@ -21,6 +21,7 @@ from protocol.records import (
     NonNegative,
     OneOf,
     Optional,
+    PackedUInts,
     Text,
     WireRecord,
     wire_record,
@@ -57,6 +58,8 @@ def sample_value(kind):
         return -0.25
     if isinstance(kind, Text):
         return "x" * kind.max_chars  # at its cap: still valid
+    if isinstance(kind, PackedUInts):
+        return bytes(range(2 * kind.size))
     return sample(kind)  # a nested record
 
 

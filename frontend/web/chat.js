@@ -27,6 +27,7 @@ export class ChatView {
     this.controller = null; // AbortController of the request in flight
     this.bindSettings();
     this.bindComposer();
+    this.loadModels();
     $("new-chat").addEventListener("click", () => {
       if (this.controller) return;
       this.current = this.createConversation();
@@ -54,6 +55,34 @@ export class ChatView {
         saveSettings(this.settings);
       });
     }
+  }
+
+  /** The picker lists the pool's models (``/v1/models``, no key needed);
+   * it shows only when there is more than one to choose from. */
+  async loadModels() {
+    let models = [];
+    try {
+      const response = await apiFetch("/v1/models");
+      if (response.ok) models = (await response.json()).data || [];
+    } catch {
+      return; // no pool yet: the default model, as before
+    }
+    const select = $("set-model");
+    select.replaceChildren(...models.map((m) => {
+      const option = document.createElement("option");
+      option.value = m.id;
+      const aliases = (m.aliases || []).join(", ");
+      option.textContent = aliases ? `${m.id} (${aliases})` : m.id;
+      return option;
+    }));
+    const ids = models.map((m) => m.id);
+    if (!ids.includes(this.settings.model)) this.settings.model = ids[0] || "";
+    select.value = this.settings.model;
+    $("model-picker").hidden = models.length < 2;
+    select.addEventListener("change", () => {
+      this.settings.model = select.value;
+      saveSettings(this.settings);
+    });
   }
 
   bindComposer() {
@@ -100,6 +129,7 @@ export class ChatView {
       max_tokens: s.max_tokens,
     };
     if (s.ignore_eos) body.ignore_eos = true;
+    if (s.model) body.model = s.model;
     return body;
   }
 

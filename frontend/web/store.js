@@ -15,6 +15,7 @@ export const DEFAULT_SETTINGS = Object.freeze({
   max_tokens: 512,
   ignore_eos: false,
   system: "",
+  model: "", // "": the pool's default model
 });
 
 function read(key, fallback) {

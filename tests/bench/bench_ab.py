@@ -4,6 +4,7 @@ does a change make the pool faster?
     git worktree add /tmp/before <commit>    # or a clone checked out there
     make bench-ab BENCH_ARGS="--before /tmp/before"
     # or: python -m tests.bench.bench_ab --before /tmp/before
+    # tracing on against off, one checkout: --ttft --traced --before .
 
 Both pools (``llamapool up --workers 2 --threads 1``, the default model) are
 up at once, each warmed up first; an idle pool costs no CPU. Each round runs both for
@@ -26,6 +27,7 @@ from llamapool.loadgen import percentile
 from tests.bench import harness
 from tests.bench.bench_overhead import PROMPT as TTFT_PROMPT
 from tests.bench.bench_throughput import PROMPT
+from tests.bench.otlp_sink import OtlpSink
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,12 +48,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="compare the time to first token, one request at a time")
     parser.add_argument("--requests", type=int, default=400,
                         help="with --ttft: requests per pool")
+    parser.add_argument("--traced", action="store_true",
+                        help="with --ttft: this checkout's pool exports every "
+                             "request's trace to an OTLP/HTTP sink here")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.duration, args.tokens, args.requests = 2, 3.0, 16, 20
     model = harness.model_path(args.model)
     if args.ttft:
-        return compare_ttft(model, args.before, args.requests, args.tokens or 1)
+        return compare_ttft(model, args.before, args.requests, args.tokens or 1,
+                            traced=args.traced)
     args.tokens = args.tokens or 64
     this = f"this checkout ({harness.checkout_commit('.')})"
     other = f"--before ({harness.checkout_commit(args.before)})"
@@ -95,19 +101,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def compare_ttft(model: str, before: str, requests: int, tokens: int) -> int:
+def compare_ttft(model: str, before: str, requests: int, tokens: int,
+                 traced: bool = False) -> int:
     """Time to first token and CPU per request, this checkout against
-    ``before``, one request at a time, alternating request by request."""
-    this = f"this checkout ({harness.checkout_commit('.')})"
+    ``before``, one request at a time, alternating request by request.
+    ``traced``: this checkout's pool traces every request (``OtlpSink``)."""
+    this = f"this checkout ({harness.checkout_commit('.')}{', traced' if traced else ''})"
     other = f"--before ({harness.checkout_commit(before)})"
     checkouts = {this: os.getcwd(), other: before}
     ttfts: dict[str, list[float]] = {name: [] for name in checkouts}
     cpu_s = dict.fromkeys(checkouts, 0.0)
     with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(OtlpSink()) if traced else None
         pools = {}
         for name, checkout in checkouts.items():
+            env = {**os.environ, **sink.env()} if sink and name == this else None
             server, url = harness.llamapool_up(model, workers=1, threads=1,
-                                               checkout=checkout)
+                                               checkout=checkout, env=env)
             stack.callback(server.stop)
             pools[name] = (server, url)
         for _ in range(10):  # warm up: connections, caches, the first prefill
@@ -133,6 +143,9 @@ def compare_ttft(model: str, before: str, requests: int, tokens: int) -> int:
                  1000 * percentile(diffs, 50), "", "", ""])
     print(harness.md_table(["", "TTFT p50, ms", "p90", "p99", "CPU per request, ms"],
                            rows))
+    if sink is not None:
+        print(f"\n{sink.spans} spans exported to the sink "
+              f"({sink.spans / ((requests + 10) or 1):.1f} per traced request).")
     return 0
 
 

@@ -14,8 +14,8 @@ Side by side in one run, on the default model (or ``--model``), ``up`` with
    ``-np 2`` when its binary is built (``make llama-server``).
 2. **Fairness.** With the queue on, key A runs 6 concurrent streams and key
    B one; B's TTFT against A's. Least-recent-service fairness should keep
-   B's near one job's length; first come, first served would put B behind
-   A's whole backlog.
+   B's near one job's length; first come, first served (``--queue-order
+   fifo``, run too) puts B behind A's whole backlog.
 
 Say which CPU the figures come from (``grep -c amx /proc/cpuinfo``).
 """
@@ -104,8 +104,14 @@ def main() -> None:
         stack.callback(waiting.stop)
         rows.append(overload_row(f"llamapool, --queue-max {4 * args.clients}", url,
                                  args, api_key=KEY_A))
-        fair = fairness_rows(url, args)
+        fair = [[f"fair: {name}", *rest] for name, *rest in fairness_rows(url, args)]
         waiting.stop()
+        fifo_pool, url = llamapool_up(model, 2, args.threads, extra=(
+            *keys, *queue, "--queue-order", "fifo"))
+        stack.callback(fifo_pool.stop)
+        warm_up(url, 2, PROMPT)
+        fair += [[f"fifo: {name}", *rest] for name, *rest in fairness_rows(url, args)]
+        fifo_pool.stop()
         if llama_server_build.binary_path().exists():
             server, url = llama_server(model, 2, 2)
             stack.callback(server.stop)
@@ -117,7 +123,8 @@ def main() -> None:
           f"{args.tokens} tokens, 2 slots ({cpu_name()})\n")
     print(md_table(["server", "completed tokens/s", "requests failed",
                     "TTFT p50 / p99, ms"], rows))
-    print("\n## Fairness with the queue on: key A 6 streams, key B 1\n")
+    print("\n## Fairness with the queue on: key A 6 streams, key B 1, "
+          "least recent service (fair) and first come, first served (fifo)\n")
     print(md_table(["key", "TTFT p50, ms", "TTFT p99, ms", "completed", "failed",
                     "latency p50, ms"], fair))
 

@@ -43,22 +43,23 @@ from protocol.errors import ErrorCode
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
 from protocol.log_throttle import LogThrottle
 from protocol.payloads import PoolStatus
-from protocol.prefix import MAX_BLOCKS
 from protocol.zmq_frames import recv_frames, waiting
 from workers.broker import ledger as ledger_mod
+from workers.broker.admission import SubmitAdmission
 from workers.broker.cache_claims import ClaimChecks
 from workers.broker.counters import BrokerCounters
 from workers.broker.expiry import MuteJobs, StuckCancels, StuckFrontends
 from workers.broker.job_relay import JobRelay
+from workers.broker.key_limits import KeyAccounts
 from workers.broker.metrics import LatestSnapshotCollector
 from workers.broker.peer_sockets import PeerSockets
 from workers.broker.pool_stats import PoolStats
 from workers.broker.registration import WorkerRegistration
-from workers.broker.waiting_room import WaitingJobs
 from workers.broker.revocation import KeyRevocation
 from workers.broker.security import BrokerSecurity
 from workers.broker.settings import BrokerSettings
 from workers.broker.step_down import ThreadStepDown
+from workers.broker.waiting_room import WaitingJobs
 
 log = logging.getLogger("llamapool.broker")
 
@@ -105,6 +106,8 @@ class Broker:
         self.sockets = PeerSockets(settings, self.ctx, self.security, self.counters,
                                    on_stuck_frontend=self._stuck_frontend)
         self.registration = WorkerRegistration(self)
+        #: SUBMIT: a slot of the job's model, or why not (``admission``).
+        self.admission = SubmitAdmission(self)
         self.keys = KeyRevocation(self)
         self.relay = JobRelay(self)
         self.step_down = ThreadStepDown(self)
@@ -112,6 +115,8 @@ class Broker:
         self.claim_checks = ClaimChecks(self)
         #: Jobs that wait for a slot (``--queue-max``; off: NO_SLOT at once).
         self.waiting = WaitingJobs(self)
+        #: Named keys' limits and usage (``key_limits``).
+        self.key_accounts = KeyAccounts()
         #: Spans of traced jobs (``job_traces``); None: tracing is off, and
         #: OpenTelemetry is not even imported.
         self.traces = None
@@ -299,7 +304,7 @@ class Broker:
             # before it.
             self.ledger.register_frontend(ident, now)
         if isinstance(msg, messages.Submit):
-            self._on_submit(ident, msg, raw, now)
+            self.admission.on_submit(ident, msg, raw, now)
             if self.traces is not None and msg.trace is not None:
                 self.traces.on_submit(ident, msg, now)
             return
@@ -325,35 +330,6 @@ class Broker:
         job = self.ledger.jobs.get(msg.job_id)
         if job is not None and job.frontend == ident:
             self.to_worker(job.worker, raw)
-
-    def _on_submit(
-        self, ident: bytes, msg: messages.Submit, raw: list[bytes], now: float
-    ) -> None:
-        self.counters.submitted += 1
-        if msg.job_id in self.ledger.jobs or msg.job_id in self.waiting.room:
-            self.to_frontend(ident, messages.Error(
-                msg.job_id, ErrorCode.DUPLICATE_JOB, "duplicate job id"))
-            return
-        blocks = msg.prefix_blocks[:MAX_BLOCKS]
-        if msg.id_slot == -1:
-            slot = self.ledger.assign(msg.job_id, ident, now, blocks)
-        else:
-            try:
-                slot = self.ledger.assign_slot(msg.id_slot, msg.job_id, ident, now,
-                                               blocks)
-            except KeyError:
-                # llama.cpp's words for a slot it does not have.
-                self.to_frontend(ident, messages.Error(
-                    msg.job_id, ErrorCode.INVALID_SLOT, "Invalid slot ID"))
-                return
-        if slot is None:
-            if self.waiting.wait(ident, msg, raw, blocks, now):
-                return
-            self.counters.no_slot += 1
-            self.to_frontend(
-                ident, messages.NoSlot(msg.job_id, self.waiting.retry_after_s(now)))
-            return
-        self.start_job(ident, msg, raw, slot, now)
 
     def start_job(self, ident: bytes, msg: messages.Submit, raw: list[bytes],
                   slot: ledger_mod.WorkerSlot, now: float) -> None:
@@ -536,4 +512,5 @@ class Broker:
     def snapshot(self, now: float) -> PoolStatus:
         snap = self.ledger.snapshot(now, self.counters.as_dict(), self.stats.totals())
         return dataclasses.replace(snap, jobs_waiting=len(self.waiting.room),
+                                   keys=self.key_accounts.usage(),
                                    retry_after_s=self.waiting.retry_after_s(now))

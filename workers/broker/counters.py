@@ -23,6 +23,9 @@ class BrokerCounters:
     # Jobs.
     submitted: int = 0
     no_slot: int = 0
+    #: SUBMITs for a model no worker of this broker serves, or only loads.
+    model_not_found: int = 0
+    model_loading: int = 0
     #: Jobs that waited for a slot (``--queue-max``), and how waits ended
     #: other than with a slot: the queue full, the deadline, the client gone.
     queued: int = 0
@@ -50,6 +53,9 @@ class BrokerCounters:
     worker_restarts: int = 0
     worker_deaths: int = 0
     worker_refused_full: int = 0
+    #: Workers refused because their model's name or an alias would name
+    #: two models, or the broker holds ``limits.MAX_MODELS`` already.
+    worker_refused_model: int = 0
     worker_unresponsive: int = 0
     worker_protocol_errors: int = 0
     #: Workers dropped for not ending a cancelled job within

@@ -28,6 +28,7 @@ from protocol.payloads import JobProgress, PoolStatus, PoolTotals, SlotStatus
 from protocol.prefix import MAX_BLOCKS
 from protocol.prompt_cache import PromptCacheStatus
 from workers.broker.cache_claims import ClaimTrust
+from workers.broker.model_index import ModelIndex
 
 LOADING = "loading"
 FAILED = "failed"
@@ -154,6 +155,8 @@ class Ledger:
         self.workers: dict[bytes, WorkerSlot] = {}
         self.jobs: dict[str, Job] = {}
         self.frontends: dict[bytes, FrontendPeer] = {}
+        #: The workers by model: a job gets a slot of its own model only.
+        self.models = ModelIndex()
         self._slot_ids = itertools.count()
 
     # --- peers -----------------------------------------------------------------
@@ -180,6 +183,7 @@ class Ledger:
             idle_since=now,
         )
         self.workers[identity] = slot
+        self.models.add(slot)
         return slot, orphan
 
     def register_loading(
@@ -189,10 +193,11 @@ class Ledger:
         slot = self.workers.get(identity)
         if slot is None:
             ready = messages.Ready(info.worker_name, info.model, 0, info.pid,
-                                   info.host)
+                                   info.host, aliases=info.aliases)
             slot = WorkerSlot(identity, next(self._slot_ids), ready, now, now,
                               state=LOADING)
             self.workers[identity] = slot
+            self.models.add(slot)
         slot.last_seen = now
         slot.failure = info.failure
         slot.state = FAILED if info.held else LOADING
@@ -201,6 +206,8 @@ class Ledger:
     def remove_worker(self, identity: bytes) -> Job | None:
         """Forget a worker; return the job it held, if any (now orphaned)."""
         slot = self.workers.pop(identity, None)
+        if slot is not None:
+            self.models.discard(slot)
         if slot is None or slot.job_id is None:
             return None
         return self.jobs.pop(slot.job_id, None)
@@ -240,8 +247,10 @@ class Ledger:
     # --- jobs --------------------------------------------------------------------
 
     def assign(self, job_id: str, frontend: bytes, now: float,
-               prefix_blocks: list | None = None) -> WorkerSlot | None:
-        """Give the job an idle slot, or None if all are busy.
+               prefix_blocks: list | None = None,
+               model: str = "") -> WorkerSlot | None:
+        """Give the job an idle slot of ``model`` ("": of any model), or None
+        if all of them are busy.
 
         The idle worker that holds the longest run of the prompt's prefix
         blocks (live or cached) wins; among equals, the least recently used
@@ -250,7 +259,7 @@ class Ledger:
         """
         if job_id in self.jobs:
             raise ValueError(f"duplicate job id {job_id!r}")
-        idle = self.idle_slots()
+        idle = self.idle_slots(model)
         if not idle:
             return None
         blocks = prefix_blocks or []
@@ -262,17 +271,18 @@ class Ledger:
         return self._lease(slot, job_id, frontend, now, blocks)
 
     def assign_slot(self, slot_id: int, job_id: str, frontend: bytes, now: float,
-                    prefix_blocks: list | None = None) -> WorkerSlot | None:
+                    prefix_blocks: list | None = None,
+                    model: str = "") -> WorkerSlot | None:
         """Give the job exactly slot ``slot_id`` (llama.cpp's ``id_slot``), or
         None if that slot is busy, draining or loading.
 
         Raises:
-            KeyError: no slot has that id.
+            KeyError: no slot has that id, or it serves another ``model``.
         """
         if job_id in self.jobs:
             raise ValueError(f"duplicate job id {job_id!r}")
         slot = next((w for w in self.workers.values() if w.slot_id == slot_id), None)
-        if slot is None:
+        if slot is None or (model and slot.info.model != model):
             raise KeyError(slot_id)
         if slot.state != IDLE or slot.draining:
             return None
@@ -342,18 +352,23 @@ class Ledger:
 
     # --- views -------------------------------------------------------------------
 
-    def idle_slots(self) -> list[WorkerSlot]:
-        """The slots a job can get now: idle and not draining."""
-        return [w for w in self.workers.values() if w.state == IDLE and not w.draining]
+    def _slots(self, model: str = "") -> list[WorkerSlot] | dict:
+        """Every slot, or those of ``model``."""
+        return self.models.slots_of(model) if model else self.workers.values()
 
-    def free_slots(self) -> int:
+    def idle_slots(self, model: str = "") -> list[WorkerSlot]:
+        """The slots a job (of ``model``; "": any) can get now: idle and not
+        draining."""
+        return [w for w in self._slots(model) if w.state == IDLE and not w.draining]
+
+    def free_slots(self, model: str = "") -> int:
         return sum(
-            1 for w in self.workers.values() if w.state == IDLE and not w.draining
+            1 for w in self._slots(model) if w.state == IDLE and not w.draining
         )
 
-    def live_slots(self) -> int:
+    def live_slots(self, model: str = "") -> int:
         """Slots that are registered and loaded (what "whole" is measured against)."""
-        return sum(1 for w in self.workers.values()
+        return sum(1 for w in self._slots(model)
                    if w.state not in (LOADING, FAILED))
 
     def busy_slots(self) -> int:
@@ -374,8 +389,9 @@ class Ledger:
         slot.progress = progress
         slot.progress_at = now
 
-    def retry_after_s(self, now: float) -> float:
-        """Estimate when a slot frees up, from what the busy slots are doing.
+    def retry_after_s(self, now: float, model: str = "") -> float:
+        """Estimate when a slot (of ``model``; "": any) frees up, from what
+        its busy slots are doing: another model's slots free nothing for it.
 
         The slot expected to be free soonest sets the hint:
 
@@ -392,7 +408,7 @@ class Ledger:
         ``RETRY_AFTER_MAX_S`` (``protocol.timing``) and rounded up.
         """
         estimates = []
-        for slot in self.workers.values():
+        for slot in self._slots(model):
             if slot.state == CANCELLING:
                 estimates.append(0.0)
                 continue
@@ -454,4 +470,5 @@ class Ledger:
             counters=counters,
             stats=stats,
             retry_after_s=self.retry_after_s(now),
+            models=self.models.statuses(),
         )

@@ -20,6 +20,7 @@ from prometheus_client.core import (
 
 from protocol.payloads import PoolStatus
 from workers.broker.counters import BrokerCounters
+from workers.broker.key_metrics import key_usage_families
 
 
 class PoolCollector:
@@ -60,6 +61,7 @@ class PoolCollector:
                       stats.prompt_tokens_cached_total)
         yield from prompt_cache_families(snap)
         yield from model_slot_families(snap)
+        yield from key_usage_families(snap)
         yield gauge("llama_kv_cache_usage_level",
                     "KV cache fill (0-1), mean over busy slots",
                     snap.kv_cache_usage_level)

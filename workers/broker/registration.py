@@ -27,7 +27,7 @@ class WorkerRegistration:
 
     def on_loading(self, ident: bytes, msg: messages.Loading, now: float) -> None:
         b = self._broker
-        if self._pool_full(ident, msg):
+        if self._pool_full(ident, msg) or self._names_clash(ident, msg):
             return
         if ident not in b.ledger.workers:
             b.log.info("worker loading",
@@ -37,7 +37,7 @@ class WorkerRegistration:
 
     def on_ready(self, ident: bytes, msg: messages.Ready, now: float) -> None:
         b = self._broker
-        if self._pool_full(ident, msg):
+        if self._pool_full(ident, msg) or self._names_clash(ident, msg):
             return
         b.counters.worker_registrations += 1
         if self._deaths_by_host.registered(msg.host):
@@ -53,8 +53,10 @@ class WorkerRegistration:
             b.fail_job(orphan, ErrorCode.WORKER_RESTARTED, "worker re-registered")
         b.log.info(
             "worker registered",
-            "worker registered: slot=%d name=%s pid=%d host=%s model=%s",
-            slot.slot_id, msg.worker_name, msg.pid, msg.host, msg.model,
+            "worker registered: slot=%d name=%s pid=%d host=%s model=%s "
+            "aliases=%s capabilities=%s", slot.slot_id, msg.worker_name, msg.pid,
+            msg.host, msg.model, ",".join(msg.aliases) or "-",
+            ",".join(msg.capabilities) or "-",
         )
 
     def _pool_full(self, ident: bytes, msg: messages.Loading | messages.Ready
@@ -70,4 +72,20 @@ class WorkerRegistration:
             "--max-workers): name=%s pid=%d host=%s",
             len(b.ledger.workers), msg.worker_name, msg.pid, msg.host)
         b.to_worker(ident, messages.Disconnect("the pool is full"))
+        return True
+
+    def _names_clash(self, ident: bytes, msg: messages.Loading | messages.Ready
+                     ) -> bool:
+        """Refuse a worker whose model name or aliases would make one name
+        mean two models (``model_index.ModelIndex.conflict``): True if
+        refused. It is told why, and keeps asking (as a worker refused for
+        a full pool does) until the operator renames one of them."""
+        b = self._broker
+        why = b.ledger.models.conflict(ident, msg.model, msg.aliases)
+        if not why:
+            return False
+        b.counters.worker_refused_model += 1
+        b.log.warning("worker refused model", "worker refused: %s: name=%s "
+                      "pid=%d host=%s", why, msg.worker_name, msg.pid, msg.host)
+        b.to_worker(ident, messages.Disconnect(why))
         return True

@@ -21,6 +21,7 @@ the default (``protocol.settings.load``). Every default is documented here:
 | LLAMAPOOL_QUEUE_MAX                  | 0          | jobs that may wait (0: 503 now)  |
 | LLAMAPOOL_QUEUE_MAX_TOKENS           | 0          | their prompt tokens (0: any)     |
 | LLAMAPOOL_QUEUE_TIMEOUT_S            | 30.0       | longest wait, then 503           |
+| LLAMAPOOL_QUEUE_ORDER                | fair       | fair (by key) or fifo            |
 | LLAMAPOOL_ROUTING                    | prefix     | prefix or lru (see below)        |
 
 ``routing``: ``prefix`` gives a job to the idle worker that holds the most of
@@ -93,6 +94,9 @@ MAX_WORKERS_LIMIT = 10_000
 
 #: ``--routing``: how the broker picks among idle workers (``workers.broker.ledger``).
 ROUTING_POLICIES = ("prefix", "lru")
+#: Who gets a freed slot (``waiting_room``): the key served least lately,
+#: or the oldest waiter (for comparison: ``make bench-overload``).
+QUEUE_ORDERS = ("fair", "fifo")
 assert MAX_WORKERS_LIMIT * limits.MAX_SLOT_STATUS_BYTES <= (
     limits.MAX_STATUS_REPLY_BYTES)
 
@@ -156,6 +160,9 @@ class BrokerSettings:
     queue_timeout_s: float = setting(
         30.0, "LLAMAPOOL_QUEUE_TIMEOUT_S", "longest wait, then 503",
         flag="--queue-timeout-s", parse=positive_float)
+    queue_order: str = setting(
+        "fair", "LLAMAPOOL_QUEUE_ORDER", "fair (by key) or fifo",
+        flag="--queue-order", choices=QUEUE_ORDERS)
     routing: str = setting(
         "prefix", "LLAMAPOOL_ROUTING", "prefix or lru (see below)",
         flag="--routing", choices=ROUTING_POLICIES)
@@ -164,6 +171,9 @@ class BrokerSettings:
         if not 1 <= self.max_workers <= MAX_WORKERS_LIMIT:
             raise ConfigError(f"LLAMAPOOL_MAX_WORKERS={self.max_workers} must be "
                               f"between 1 and {MAX_WORKERS_LIMIT}")
+        if self.queue_order not in QUEUE_ORDERS:
+            raise ConfigError(f"LLAMAPOOL_QUEUE_ORDER={self.queue_order!r} must be "
+                              f"one of {', '.join(QUEUE_ORDERS)}")
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"LLAMAPOOL_ROUTING={self.routing!r} must be one of "
                               f"{', '.join(ROUTING_POLICIES)}")

@@ -70,10 +70,14 @@ class WaitingRoom:
         max_jobs: how many may wait (0: none, NO_SLOT at once).
         max_tokens: their prompt tokens together (0: no bound).
         timeout_s: the longest wait.
+        fair: least recent service first (module doc); False: the oldest
+            waiter first, whatever its key (``--queue-order fifo``).
     """
 
-    def __init__(self, max_jobs: int, max_tokens: int, timeout_s: float) -> None:
+    def __init__(self, max_jobs: int, max_tokens: int, timeout_s: float,
+                 fair: bool = True) -> None:
         self.max_jobs = max_jobs
+        self.fair = fair
         self.max_tokens = max_tokens
         self.timeout_s = timeout_s
         self.waiters: dict[str, Waiter] = {}  # in arrival order
@@ -151,6 +155,8 @@ class WaitingRoom:
         servable = [w for w in self.waiters.values() if held[w.job_id] is not None]
         if not servable:
             return None
+        if not self.fair:
+            return self.remove(servable[0].job_id)
         first_seen: dict[str, int] = {}
         for i, w in enumerate(servable):
             first_seen.setdefault(w.client, i)
@@ -208,21 +214,28 @@ class WaitingJobs:
     def __init__(self, broker) -> None:
         s = broker.settings
         self.broker = broker
-        self.room = WaitingRoom(s.queue_max, s.queue_max_tokens, s.queue_timeout_s)
+        self.room = WaitingRoom(s.queue_max, s.queue_max_tokens, s.queue_timeout_s,
+                                fair=s.queue_order == "fair")
 
     def wait(self, ident: bytes, msg: messages.Submit, raw: list[bytes],
              blocks: list[int], now: float) -> bool:
-        """True if the job, which found no slot, now waits (QUEUED sent);
-        False: it gets NO_SLOT (no queue, a bound reached, or ``id_slot``,
+        """True if the job, which found no slot, now waits (QUEUED sent) or
+        was refused for its key (RATE_LIMITED sent); False: it gets NO_SLOT (no queue, a bound reached, or ``id_slot``,
         which asks for one busy slot and is answered at once as before)."""
         b = self.broker
         if not self.room or msg.id_slot != -1:
             return False
+        limited = b.key_accounts.queue_full(
+            msg, lambda: self.retry_after_s(now, msg.request.model))
+        if limited is not None:  # its key's own bound on waiting jobs: 429
+            b.to_frontend(ident, limited)
+            return True
         waiter = self.room.admit(ident, msg, raw, blocks, now)
         if waiter is None:
             b.counters.queue_full += 1
             return False
         b.counters.queued += 1
+        b.key_accounts.on_queued(msg)
         b.to_frontend(ident, messages.Queued(
             msg.job_id, self.room.position(waiter), waiter.deadline - now))
         return True
@@ -283,11 +296,16 @@ class WaitingJobs:
             self._traced(waiter.job_id, "left", time.monotonic())
 
     def _traced(self, job_id: str, outcome: str, now: float) -> None:
+        """The job left the queue (its key's count and its trace)."""
+        if outcome != "started":
+            self.broker.key_accounts.on_dequeued(job_id)
         if self.broker.traces is not None:
             self.broker.traces.on_dequeued(job_id, outcome, now)
 
     def on_start(self, msg: messages.Submit, now: float) -> None:
         self.room.on_start(msg, now)
+        self.broker.key_accounts.on_start(msg, now)
 
     def on_end(self, job_id: str, msg: messages.Message | None, now: float) -> None:
         self.room.on_end(job_id, msg, now)
+        self.broker.key_accounts.on_end(job_id, msg, now)

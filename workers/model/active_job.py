@@ -103,11 +103,12 @@ class ActiveJob:
 
     # --- JobSink, called by the engine in the main thread ------------------------
 
-    def emit(self, text: str, n_tokens: int, logprobs=(), timings=None) -> None:
+    def emit(self, text: str, n_tokens: int, logprobs=(), timings=None,
+             token_ids: bytes = b"") -> None:
         with self._credit_changed:
             self._credit -= 1
         self._send(messages.Token(self.job_id, text, n_tokens, list(logprobs),
-                                  timings))
+                                  timings, token_ids=token_ids))
 
     def emit_embedding(self, vector: bytes, n_tokens: int) -> None:
         with self._credit_changed:

@@ -275,7 +275,7 @@ class BatchRunner(JobRunner):
         return messages.Final(
             job.job_id, result.finish_reason, result.usage(), result.timings(),
             result.tail_text, result.tail_logprobs, result.stopping_word,
-            result.truncated)
+            result.truncated, token_ids=result.tail_token_ids)
 
     def _send_end(self, seq: int, job: ActiveJob, msg: messages.Message) -> None:
         self.jobs_done += 1

@@ -62,7 +62,7 @@ class SlotJob:
         self.detok = IncrementalDetokenizer(vocab)
         live = (LiveTimings(started, len(prompt), 0) if timings_per_token
                 else None)
-        self.output = TokenOutput(job, stops, live)
+        self.output = TokenOutput(job, stops, live, token_ids=True)
         #: When the first token was sampled (perf_counter).
         self.first_token_at: float | None = None
 
@@ -85,7 +85,7 @@ class SlotJob:
         if llama_cpp.llama_vocab_is_eog(self._vocab, token):
             return FinishReason.STOP
         output = self.output
-        ended_by = output.push(self.detok.push(token))
+        ended_by = output.push(self.detok.push(token), None, token)
         if ended_by is not None:
             return ended_by
         n = output.n_pushed
@@ -116,6 +116,7 @@ class SlotJob:
             predicted_ms=(ended - first) * 1000,
             tail_text="" if cancelled else output.tail(self.detok.flush()),
             tail_logprobs=[],
+            tail_token_ids=b"" if cancelled else output.tail_token_ids(),
             stopping_word=output.stopper.matched,
             truncated=self.context_limited and finish == FinishReason.LENGTH,
         )

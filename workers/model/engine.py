@@ -66,10 +66,10 @@ class JobSink(Protocol):
 
     def emit(self, text: str, n_tokens: int,
              logprobs: list[TokenLogprob] = (),
-             timings: Timings | None = None) -> None:
+             timings: Timings | None = None, token_ids: bytes = b"") -> None:
         """Send output text covering ``n_tokens`` new tokens (and their
         log-probability entries, and the timings so far, if the request
-        asked for them)."""
+        asked for them; and their packed ids, if the engine has them)."""
 
     def emit_embedding(self, vector: bytes, n_tokens: int) -> None:
         """Send one input's embedding (little-endian float32) of ``n_tokens``
@@ -108,6 +108,9 @@ class GenerationResult:
     #: Generation stopped because the context was full (llama-server's
     #: ``truncated``), not at the request's own limit.
     truncated: bool = False
+    #: Packed ids of the tokens counted after the last frame
+    #: (``messages.Final.token_ids``).
+    tail_token_ids: bytes = b""
 
     def usage(self) -> Usage:
         return Usage(

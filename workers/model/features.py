@@ -33,7 +33,7 @@ ALL_FEATURES = frozenset(Feature)
 
 def features_needed(request: GenerationRequest) -> Iterator[Feature]:
     """The features ``request`` asks for, in a fixed order."""
-    if request.grammar:
+    if request.grammar or request.force_call:  # a forced call is a grammar
         yield Feature.GRAMMAR
     if request.logprobs is not None:
         yield Feature.LOGPROBS

@@ -53,6 +53,8 @@ class JobRunner:
         self._jobs: queue.Queue[ActiveJob] = queue.Queue()
         #: What this process is doing, for whoever sees it crash.
         self._phase = worker_phase.PhaseFile(settings.phase_file)
+        #: Other names of this model (a job names the model by its name).
+        self._aliases = frozenset(settings.alias_list)
         self.jobs_done = 0
         self.tokens_generated = 0
         self.busy = False
@@ -157,6 +159,13 @@ class JobRunner:
         # The one check of what the engine can do: it never sees a request
         # that asks for more.
         refuse_unsupported(job.request, self.engine.name, self.engine.features)
+        model = job.request.model
+        if model and model != self.engine.model_name and model not in self._aliases:
+            # A broker that routes by model never sends one (an older one
+            # may): refused, not answered by the wrong model.
+            raise RequestRejected(ErrorCode.MODEL_NOT_FOUND,
+                                  f"this worker serves model "
+                                  f"'{self.engine.model_name}', not '{model[:200]}'")
         result = self.engine.run(job.request, job)
         self.tokens_generated += result.completion_tokens
         if job.ended_by_shutdown:
@@ -173,6 +182,11 @@ class JobRunner:
             job.job_id, result.finish_reason, result.usage(),
             result.timings(), result.tail_text, result.tail_logprobs,
             result.stopping_word, result.truncated,
+            token_ids=result.tail_token_ids,
+            # The format the frontend reads the calls in (an engine with no
+            # chat template has none).
+            tool_format=getattr(self.engine, "tool_format", "")
+            if job.request.tools else "",
         )
 
     def _use_idle_time(self) -> None:

@@ -12,6 +12,8 @@ budget followed between tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import time
@@ -198,6 +200,7 @@ class LlamaEngine:
             return cancelled_while_tokenizing(started)
         max_tokens = token_budget(len(prompt), self.n_ctx, request.max_tokens)
 
+        request = self._with_call_grammar(request)
         sampling = request.sampling
         self.llama.set_seed(llama_cpp.LLAMA_DEFAULT_SEED if sampling.seed is None
                             else sampling.seed)
@@ -215,6 +218,26 @@ class LlamaEngine:
         finally:
             logits.close()
 
+    @property
+    def tool_format(self) -> str:
+        """The call format of this model's template (FINAL's ``tool_format``)."""
+        fmt = self.prompts.tool_format
+        return fmt.name if fmt is not None else ""
+
+    def _with_call_grammar(self, request: GenerationRequest) -> GenerationRequest:
+        """A forced call's grammar, in the model's own call format."""
+        if not request.force_call:
+            return request
+        try:
+            grammar = self.prompts.call_grammar(request)
+        except ToolsUnsupported as exc:
+            raise RequestRejected(ErrorCode.TOOLS_UNSUPPORTED, str(exc)) from None
+        except GrammarError as exc:
+            raise RequestRejected(ErrorCode.INVALID_GRAMMAR, str(exc)) from None
+        except PromptError as exc:
+            raise RequestRejected(ErrorCode.INVALID_MESSAGES, str(exc)) from None
+        return dataclasses.replace(request, grammar=grammar)
+
     def _generate(self, request: GenerationRequest, sink: JobSink,
                   prompt: list[int], extra_stops: list[str], max_tokens: int,
                   logits: RequestLogits, started: float) -> GenerationResult:
@@ -227,7 +250,8 @@ class LlamaEngine:
                          max_tokens=max_tokens, stops=request.stop + extra_stops,
                          cached_tokens=plan.cached_tokens,
                          timings_per_token=request.timings_per_token,
-                         context_limited=len(prompt) + max_tokens >= self.n_ctx)
+                         context_limited=len(prompt) + max_tokens >= self.n_ctx,
+                         token_ids=True)
         detok = IncrementalDetokenizer(self._vocab)
         tokens = self._sampled_tokens(plan, request.sampling, logits)
         try:

@@ -18,10 +18,13 @@ from collections.abc import Callable
 import llama_cpp
 from llama_cpp import llama_chat_format
 
+from protocol import tool_formats
 from protocol.payloads import CHAT, ChatMessage, GenerationRequest
-from workers.model import llama_internals
+from workers.model import chat_templates, llama_internals
 from workers.model.detokenizer import IncrementalDetokenizer
+from workers.model.grammar import GrammarError
 from workers.model.tokenizing import BoundedTokenizer, PromptTooLong, TokenizeCancelled
+from workers.model.tool_grammar import call_grammar
 
 # The tokenising errors are raised through ``PromptBuilder.tokens``; callers
 # (the frontend's gate too) import them from here.
@@ -37,6 +40,11 @@ RESERVED_TEMPLATE_NAMES = frozenset({
     "messages", "tools", "tool_choice", "functions", "function_call",
     "bos_token", "eos_token", "add_generation_prompt", "raise_exception",
     "strftime_now"})
+
+#: Where a reasoning template's generation prompt opens the reasoning; a
+#: continued message's reasoning is written after it and closed, as
+#: llama.cpp's continuation does (``common/chat-auto-parser-generator.cpp``).
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class PromptError(ValueError):
@@ -56,9 +64,15 @@ class PromptBuilder:
         self.llama = llama
         #: Whether ``tools`` reach the prompt (see ``ToolsUnsupported``).
         self.renders_tools = False
-        #: The GGUF's Jinja template, "" with a named chat format (which
-        #: takes no template variables).
+        #: The Jinja template's text, "" with a named chat format or a
+        #: built-in template (which take no template variables).
         self.template = ""
+        #: The call format the template teaches (``protocol.tool_formats``);
+        #: None: it teaches none this pool can read.
+        self.tool_format: tool_formats.ToolFormat | None = None
+        #: What a failed rendering names (``PromptError``).
+        self.template_label = f"the chat format {chat_format!r}"
+        self._template = None
         self._format_chat = self._chat_formatter(chat_format)
         #: llama-cpp-python's "gemma" format drops system messages (it only
         #: logs so, at debug level): they are folded into the first user
@@ -72,23 +86,38 @@ class PromptBuilder:
         llama = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=False)
         return cls(llama, chat_format)
 
+    def _special_texts(self) -> tuple[str, str]:
+        model = llama_internals.model_wrapper(self.llama)
+        eos, bos = model.token_eos(), model.token_bos()
+        return (model.token_get_text(bos) if bos != -1 else "",
+                model.token_get_text(eos) if eos != -1 else "")
+
+    def _use_template(self, template) -> None:
+        self._template = template
+        self.template = template.source
+        self.template_label = template.label
+        self.tool_format = tool_formats.detect(template.source)
+        self.renders_tools = self.tool_format is not None
+
     def _chat_formatter(self, chat_format: str | None):
-        """Pick the chat renderer: the GGUF template, or a named format."""
+        """Pick the chat renderer: the GGUF template, a template chosen by
+        name or file (``workers.model.chat_templates``), or a named format."""
+        if chat_templates.is_template_spec(chat_format):
+            bos, eos = self._special_texts()
+            self._use_template(chat_templates.template_of(chat_format, bos=bos,
+                                                          eos=eos))
+            return None
         if chat_format in (None, TEMPLATE_CHAT_FORMAT):
             template = self.llama.metadata.get("tokenizer.chat_template")
             if template:
-                model = llama_internals.model_wrapper(self.llama)
-                eos, bos = model.token_eos(), model.token_bos()
-                self.renders_tools = "tools" in template
-                self.template = template
-                return llama_chat_format.Jinja2ChatFormatter(
-                    template=template,
-                    eos_token=model.token_get_text(eos) if eos != -1 else "",
-                    bos_token=model.token_get_text(bos) if bos != -1 else "",
-                )
+                bos, eos = self._special_texts()
+                self._use_template(chat_templates.JinjaChat(
+                    template, "the model's chat template", bos=bos, eos=eos))
+                return None
             if chat_format == TEMPLATE_CHAT_FORMAT:
                 raise ValueError("the model has no chat template")
             chat_format = "llama-2"  # llama-cpp-python's own fallback
+            self.template_label = "the chat format 'llama-2'"
         for name in (chat_format.replace("-", "_"), chat_format.replace("-", "")):
             formatter = getattr(llama_chat_format, "format_" + name, None)
             if formatter is not None:
@@ -96,11 +125,17 @@ class PromptBuilder:
         raise ValueError(f"unknown chat format {chat_format!r}")
 
     def render_chat(self, messages: list[ChatMessage], tools: str = "",
-                    template_kwargs: str = ""):
+                    template_kwargs: str = "", *, add_generation_prompt: bool = True,
+                    continue_final: bool = False):
         """The chat prompt for ``messages`` (and ``tools``, OpenAI's list as
         JSON text, "" for none), as the chat endpoint renders it
         (llama-cpp-python's ``ChatFormatterResponse``: ``prompt``, ``stop``,
         ``added_special``). ``/apply-template`` shows this same text.
+
+        ``continue_final``: the last message (the assistant's) is left open,
+        as llama.cpp continues it: the messages before it with the
+        generation prompt, then its text (``add_generation_prompt`` must be
+        false then; the frontend checks).
 
         Raises:
             ToolsUnsupported: tools given, but the template does not render them.
@@ -109,22 +144,81 @@ class PromptBuilder:
         extra = {}
         if tools:
             if not self.renders_tools:
-                raise ToolsUnsupported(
-                    "this model's chat template does not support tools "
-                    "(it never mentions 'tools'); use tool_choice 'none' "
-                    "or a model whose template renders them")
+                raise ToolsUnsupported(self._no_tools_reason())
             try:
                 extra["tools"] = json.loads(tools)
             except ValueError:  # the frontend sends JSON; a peer might not
                 raise PromptError("'tools' is not JSON") from None
         extra.update(self._template_variables(template_kwargs))
+        turns = self._turns(messages)
+        last = turns.pop() if continue_final and turns else None
+        if last is not None and last["role"] != "assistant":
+            raise PromptError("continue_final_message: the last message is "
+                              "not the assistant's")
+        rendered = self._render(turns, extra, add_generation_prompt or bool(last))
+        if last is not None:
+            rendered.prompt = continued(rendered.prompt, last)
+        return rendered
+
+    def _no_tools_reason(self) -> str:
+        if self.template and "tools" in self.template:
+            return ("this model's chat template teaches a tool-call format "
+                    "llamapool cannot read (it knows "
+                    f"{', '.join(tool_formats.FORMATS)}); use tool_choice "
+                    "'none' or a model whose template uses one of them")
+        return ("this model's chat template does not support tools "
+                "(it never mentions 'tools'); use tool_choice 'none' "
+                "or a model whose template renders them")
+
+    def _turns(self, messages: list[ChatMessage]) -> list[dict]:
+        """The messages as templates read them. A template that does not
+        render ``tool_calls`` itself gets earlier calls written into the
+        turn's text, in the call format it teaches (Hermes' if none)."""
         turns = [m.as_dict() for m in messages]
         if self._fold_system:
             turns = fold_system_messages(turns)
+        if "tool_calls" in self.template:
+            return turns
+        writer = self.tool_format or tool_formats.HERMES
+        for turn in turns:
+            calls = turn.pop("tool_calls", None)
+            if calls:
+                turn["content"] += "".join(writer.write(c["name"], json.dumps(
+                    c["arguments"], ensure_ascii=False)) for c in calls)
+        return turns
+
+    def _render(self, turns: list[dict], extra: dict, add_generation_prompt: bool):
         try:
+            if self._template is not None:
+                return self._template.render(turns, extra, add_generation_prompt)
+            if not add_generation_prompt:
+                raise PromptError(f"add_generation_prompt false needs a Jinja "
+                                  f"or built-in chat template; this pool uses "
+                                  f"{self.template_label}")
             return self._format_chat(messages=turns, **extra)
+        except PromptError:
+            raise
         except Exception as exc:  # a template error is about the input
-            raise PromptError(str(exc)) from None
+            raise PromptError(f"{self.template_label} failed to render: "
+                              f"{str(exc)[:300]}") from None
+
+    def call_grammar(self, request: GenerationRequest) -> str:
+        """The grammar of the call ``request.force_call`` asks for, in this
+        model's call format (``workers.model.tool_grammar``).
+
+        Raises:
+            ToolsUnsupported: the template teaches no known format.
+            PromptError: the tools or the forced name are not usable.
+            GrammarError: a schema the converter cannot take.
+        """
+        if self.tool_format is None:
+            raise ToolsUnsupported(self._no_tools_reason())
+        try:
+            return call_grammar(self.tool_format, request.tools, request.force_call)
+        except GrammarError:
+            raise
+        except (ValueError, AttributeError) as exc:
+            raise PromptError(f"'tools': {exc}") from None
 
     def _template_variables(self, template_kwargs: str) -> dict:
         """``chat_template_kwargs`` (a JSON object as text) for the template.
@@ -217,8 +311,10 @@ class PromptBuilder:
             TokenizeCancelled: ``should_stop`` turned true on the way.
         """
         if request.kind == CHAT:
-            rendered = self.render_chat(request.messages, request.tools,
-                                        request.chat_template_kwargs)
+            rendered = self.render_chat(
+                request.messages, request.tools, request.chat_template_kwargs,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final=request.continue_final)
             stops = rendered.stop or []
             stops = [stops] if isinstance(stops, str) else list(stops)
             tokens = self._tokenizer.tokenize(
@@ -234,6 +330,18 @@ class PromptBuilder:
             prompt.encode("utf-8"), add_special=True, parse_special=True,
             limit=limit, should_stop=should_stop)
         return tokens, []
+
+
+def continued(prompt: str, last: dict) -> str:
+    """The prompt with the last (assistant) message appended, open. A
+    generation prompt that opens the reasoning gets the message's reasoning
+    (closed) and then its text; otherwise its text only."""
+    content = str(last.get("content") or "")
+    reasoning = str(last.get("reasoning_content") or "")
+    head, opens, _ = prompt.rpartition(THINK_OPEN)
+    if opens and not prompt[len(head):].strip(THINK_OPEN + "\n "):
+        return f"{head}{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}"
+    return prompt + content
 
 
 def fold_system_messages(turns: list[dict]) -> list[dict]:

@@ -15,7 +15,10 @@ worker process does. Every default is documented here:
 | LLAMAPOOL_THREADS              | 0           | llama.cpp threads: N, 0 or auto   |
 | LLAMAPOOL_POOL_CORES           | (all CPUs)  | host cores for auto threads       |
 | LLAMAPOOL_CHAT_FORMAT          | (template)  | named chat format, e.g. gemma     |
+| LLAMAPOOL_CHAT_TEMPLATE        | (none)      | llama.cpp template name, or Jinja |
+| LLAMAPOOL_CHAT_TEMPLATE_FILE   | (none)      | Jinja chat template file          |
 | LLAMAPOOL_MODEL_NAME           | (file name) | name in /v1/models                |
+| LLAMAPOOL_MODEL_ALIASES        | (none)      | other names, a comma list         |
 | LLAMAPOOL_EMBEDDING_BATCH      | 512         | longest embedding input (tokens)  |
 | LLAMAPOOL_TOKENS_PER_SECOND    | 50.0        | synthetic engine output rate      |
 | LLAMAPOOL_HEARTBEAT_INTERVAL_S | 1.0         | heartbeat to the broker           |
@@ -44,6 +47,7 @@ import os
 
 from protocol import defaults, limits, timing
 from protocol.broker_list import split_endpoints
+from protocol.chat_choice import ChatChoiceError, chat_choice
 from protocol.settings import (
     ConfigError,
     non_negative_float,
@@ -115,9 +119,26 @@ class WorkerSettings:
         flag="--chat-format",
         help="named chat format (e.g. gemma), or 'template' for the GGUF's "
              "Jinja template (default: template if present)")
+    chat_template: str = setting(
+        "", "LLAMAPOOL_CHAT_TEMPLATE", "llama.cpp template name, or Jinja",
+        shown="(none)", flag="--chat-template",
+        help="llama.cpp's built-in chat template by name (chatml, llama3, "
+             "gemma, mistral-v7, ...), or a Jinja template's text, as "
+             "llama-server reads it")
+    chat_template_file: str = setting(
+        "", "LLAMAPOOL_CHAT_TEMPLATE_FILE", "Jinja chat template file",
+        shown="(none)", flag="--chat-template-file",
+        help="a Jinja chat template file, instead of the GGUF's")
     model_name: str = setting(
         "", "LLAMAPOOL_MODEL_NAME", "name in /v1/models", shown="(file name)",
         flag="--model-name")
+    #: Other names a request's ``model`` may give this model by (issue 30):
+    #: a comma list; ``--alias`` may be repeated, each a name or a list.
+    aliases: str = setting(
+        "", "LLAMAPOOL_MODEL_ALIASES", "other names, a comma list",
+        shown="(none)", flag="--alias", repeat=True,
+        help="another name requests may give the model by (repeatable, or a "
+             "comma list)")
     #: The embedding context's size and batch (``workers.model.embedding``):
     #: the longest embedding input, in tokens.
     embedding_batch_tokens: int = setting(
@@ -217,6 +238,10 @@ class WorkerSettings:
 
     def __post_init__(self) -> None:
         split_endpoints(self.broker_endpoint)  # ConfigError if empty or repeated
+        try:  # at most one of the chat template settings
+            self.chat_choice  # noqa: B018
+        except ChatChoiceError as exc:
+            raise ConfigError(f"chat template: {exc}") from None
         threads = str(self.n_threads).strip()
         if threads != "auto" and not (threads.isdigit()
                                       and int(threads) <= limits.MAX_THREADS):
@@ -245,9 +270,35 @@ class WorkerSettings:
             if len(value) > limits.MAX_NAME_CHARS:
                 raise ConfigError(f"{var} is {len(value)} characters; at most "
                                   f"{limits.MAX_NAME_CHARS}")
+        self._check_aliases()
         # Cut, not refused: it is a supervisor's report, not a user's input.
         object.__setattr__(self, "last_failure",
                            self.last_failure[:limits.MAX_REASON_CHARS])
+
+    @property
+    def chat_choice(self) -> str | None:
+        """The chat format, template name or file, as one string for the
+        prompt builder (``protocol.chat_choice``)."""
+        return chat_choice(self.chat_format, self.chat_template,
+                           self.chat_template_file)
+
+    @property
+    def alias_list(self) -> list[str]:
+        """``aliases`` as names, in order, each once, without the model's own."""
+        names = [a.strip() for a in self.aliases.split(",") if a.strip()]
+        return [a for i, a in enumerate(names)
+                if a not in names[:i] and a != self.label]
+
+    def _check_aliases(self) -> None:
+        """The broker refuses a worker beyond these (``protocol.limits``):
+        refused here, at startup, with words instead."""
+        if len(self.alias_list) > limits.MAX_ALIASES:
+            raise ConfigError(f"LLAMAPOOL_MODEL_ALIASES: {len(self.alias_list)} "
+                              f"aliases; at most {limits.MAX_ALIASES}")
+        for alias in self.alias_list:
+            if len(alias) > limits.MAX_NAME_CHARS:
+                raise ConfigError(f"alias {alias[:40]!r}... is {len(alias)} "
+                                  f"characters; at most {limits.MAX_NAME_CHARS}")
 
     def _check_slots(self) -> None:
         """What a worker of several slots cannot do yet, refused at start."""

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from protocol.messages import FinishReason
+from protocol.messages import FinishReason, pack_token_ids
 from protocol.payloads import Timings, TokenLogprob
 from workers.model.engine import GenerationResult, JobSink
 from workers.model.stop_strings import StopStringFilter
@@ -75,11 +75,12 @@ class TokenOutput:
     Each new token's text goes through the stop-string filter; what is safe to
     show waits for credit and goes out as one frame covering every token since
     the last frame sent. With ``timings``, each frame also carries the job's
-    timings so far.
+    timings so far; with ``token_ids``, the ids of the tokens it covers.
     """
 
     def __init__(self, sink: JobSink, stops: list[str],
-                 timings: LiveTimings | None = None) -> None:
+                 timings: LiveTimings | None = None,
+                 token_ids: bool = False) -> None:
         self.sink = sink
         self.stopper = StopStringFilter(stops)
         self._timings = timings
@@ -88,20 +89,26 @@ class TokenOutput:
         self._unsent_tokens = 0
         #: Log-probability entries of the tokens not sent yet.
         self._unsent_logprobs: list[TokenLogprob] = []
+        #: Ids of the tokens not sent yet (None: the engine has no ids).
+        self._unsent_ids: list[int] | None = [] if token_ids else None
 
-    def push(self, text: str, logprob: TokenLogprob | None = None
-             ) -> FinishReason | None:
+    def push(self, text: str, logprob: TokenLogprob | None = None,
+             token: Any = None) -> FinishReason | None:
         """Account one token; return a finish reason if generation must end.
 
         ``logprob`` (when the request asked for them) goes out with the frame
         that carries the token's text. A frame that ends at a stop string
         carries the entries of every token up to it; tokens held back and
-        then dropped by a stop string have none.
+        then dropped by a stop string have none. ``token`` is the token's id
+        (kept with ``token_ids``): every counted token's id goes out, those
+        of a stop string's tokens too, as llama-server streams them.
         """
         self.n_pushed += 1
         self._unsent_tokens += 1
         if logprob is not None:
             self._unsent_logprobs.append(logprob)
+        if self._unsent_ids is not None:
+            self._unsent_ids.append(token)
         if self._timings is not None and self.n_pushed == 1:
             self._timings.now(0)  # the first token ends the prompt's time
         text = self.stopper.push(text)
@@ -114,6 +121,9 @@ class TokenOutput:
             if self._unsent_logprobs:
                 extra["logprobs"] = self._unsent_logprobs
                 self._unsent_logprobs = []
+            if self._unsent_ids:
+                extra["token_ids"] = pack_token_ids(self._unsent_ids)
+                self._unsent_ids = []
             self.sink.emit(text, self._unsent_tokens, **extra)
             self._unsent_tokens = 0
         return FinishReason.STOP if self.stopper.stopped else None
@@ -128,6 +138,11 @@ class TokenOutput:
         out, self._unsent_logprobs = self._unsent_logprobs, []
         return [] if self.stopper.stopped else out
 
+    def tail_token_ids(self) -> bytes:
+        """The packed ids of the tokens counted after the last frame."""
+        out, self._unsent_ids = self._unsent_ids, []
+        return pack_token_ids(out) if out else b""
+
 
 class VectorOutput:
     """The output side of an embedding job: one frame per input, each after
@@ -139,9 +154,11 @@ class VectorOutput:
         #: not count).
         self.n_pushed = 0
 
-    def push(self, vector: bytes, n_tokens: int) -> FinishReason | None:
+    def push(self, vector: bytes, n_tokens: int, unit: Any = None
+             ) -> FinishReason | None:
         """Send one input's vector (``n_tokens`` tokens); CANCELLED if the
-        client gave no credit."""
+        client gave no credit. ``unit`` (the loop passes every unit) is the
+        input itself, already in ``vector``."""
         if not self.sink.wait_for_credit():
             return FinishReason.CANCELLED
         self.sink.emit_embedding(vector, n_tokens)
@@ -176,6 +193,7 @@ class TokenLoop:
             engine with no prompt phase of its own), not from the first unit.
         context_limited: ``max_tokens`` is the room the context had left, so
             reaching it means the context is full (``truncated``).
+        token_ids: the units are token ids, and the frames carry them.
     """
 
     #: How a job ends that reached its budget.
@@ -187,7 +205,8 @@ class TokenLoop:
                  max_tokens: int, stops: Sequence[str] = (), cached_tokens: int = 0,
                  timings_per_token: bool = False,
                  rate_since_start: bool = False,
-                 context_limited: bool = False) -> None:
+                 context_limited: bool = False,
+                 token_ids: bool = False) -> None:
         self.sink = sink
         self.context_limited = context_limited
         self.started = started
@@ -197,7 +216,8 @@ class TokenLoop:
         self.rate_since_start = rate_since_start
         live = (LiveTimings(started, n_prompt, cached_tokens)
                 if timings_per_token else None)
-        self.output: TokenOutput | VectorOutput = TokenOutput(sink, list(stops), live)
+        self.output: TokenOutput | VectorOutput = TokenOutput(
+            sink, list(stops), live, token_ids)
         #: When the first unit was made (or the job found it had no budget).
         self.first_token_at: float | None = None
 
@@ -206,7 +226,7 @@ class TokenLoop:
         """Run ``units`` until one of the job's ends; return how it ended.
 
         ``take(unit)`` returns a tuple ``(data, extra, n_ctx_used)``:
-        ``self.output.push(data, extra)`` sends the unit, and the progress
+        ``self.output.push(data, extra, unit)`` sends the unit, and the progress
         report after it says ``n_ctx_used``. Or it returns a
         ``FinishReason`` to end before the unit counts.
         """
@@ -231,7 +251,7 @@ class TokenLoop:
             if piece.__class__ is not tuple:
                 return piece  # ended before this unit counts
             data, extra, n_ctx_used = piece
-            ended_by = output.push(data, extra)
+            ended_by = output.push(data, extra, unit)
             if ended_by is not None:
                 return ended_by
             n = output.n_pushed
@@ -265,6 +285,7 @@ class TokenLoop:
             tail_logprobs=[] if cancelled else output.tail_logprobs(),
             stopping_word=output.stopper.matched,
             truncated=self.context_limited and finish == FinishReason.LENGTH,
+            tail_token_ids=b"" if cancelled else output.tail_token_ids(),
         )
 
 

@@ -41,6 +41,7 @@ from protocol.log_throttle import LogThrottle
 from protocol.worker_phase import CANCEL_TIMEOUT_EXIT
 from workers.model.active_job import ActiveJob, Outgoing, ThreadBudget
 from workers.model.broker_choice import BrokerChoice
+from workers.model.capabilities import engine_capabilities
 from workers.model.job_runner import JobRunner
 from workers.model.settings import WorkerSettings
 
@@ -181,6 +182,8 @@ class WorkerLink(LinkHandler):
                         if self.settings.auto_threads else 0),
             gpu=engine.gpu,
             repack=engine.repack,
+            aliases=self.settings.alias_list,
+            capabilities=engine_capabilities(engine),
         )
 
     def on_tick(self, now: float) -> None:
@@ -244,7 +247,8 @@ class WorkerLink(LinkHandler):
             return messages.Loading(self.name, self.settings.label, os.getpid(),
                                     socket.gethostname(),
                                     failure=self.settings.last_failure,
-                                    held=self.settings.held)
+                                    held=self.settings.held,
+                                    aliases=self.settings.alias_list)
         job = self._job
         return messages.Heartbeat(job.progress() if job is not None else None)
 

@@ -47,9 +47,11 @@ POINTS = {
                       ("BrokerConnection._write", "in", "write."),
                       ("BrokerConnection._receive", "in", "link.recv")],
     "workers.broker.broker": [("Broker._drain", "in", "broker.drain"),
-                              ("Broker._on_submit", "in", "broker.submit.in"),
                               ("Broker.to_worker", "in", "broker.to_worker"),
                               ("Broker._relay_token", "in", "broker.relay")],
+    # The broker's SUBMIT handler (issue 30: a slot of the job's model).
+    "workers.broker.admission": [("SubmitAdmission.on_submit", "in",
+                                  "broker.submit.in")],
     "workers.model.worker_link": [("WorkerLink.on_message", "in", "worker.msg.")],
     "workers.model.job_runner": [("JobRunner._run_job", "in", "worker.picked")],
     "workers.model.active_job": [("ActiveJob.emit", "in", "worker.emit")],
