@@ -365,12 +365,18 @@ def run_make_test_model(args: argparse.Namespace) -> int:
     from llamapool.test_model import write_test_model
 
     try:
-        from llamapool.test_model import TOOL_FORMAT_TEMPLATES, TOOLS_CHAT_TEMPLATE
+        from llamapool.test_model import (
+            TOOL_FORMAT_CONTROL_PIECES,
+            TOOL_FORMAT_TEMPLATES,
+            TOOLS_CHAT_TEMPLATE,
+        )
 
         template = ({"chat_template": TOOLS_CHAT_TEMPLATE} if args.tools_template
                     else {})
         if args.tool_format:
-            template = {"chat_template": TOOL_FORMAT_TEMPLATES[args.tool_format]}
+            template = {"chat_template": TOOL_FORMAT_TEMPLATES[args.tool_format],
+                        "control_pieces": TOOL_FORMAT_CONTROL_PIECES.get(
+                            args.tool_format, ())}
         write_test_model(args.path, fim=args.fim, quant=args.quant, **template)
     except ModuleNotFoundError as exc:
         print(f"llamapool make-test-model needs {exc.name}: "

@@ -114,6 +114,12 @@ MISTRAL_TOOLS_CHAT_TEMPLATE = (
 MISTRAL_V11_TOOLS_CHAT_TEMPLATE = MISTRAL_TOOLS_CHAT_TEMPLATE.replace(
     "[TOOL_CALLS][{\"name\": name, \"arguments\": {...}}]",
     "[TOOL_CALLS]name[ARGS]{...}")
+#: The control tokens a real vocabulary of each format has for its markers
+#: (``--tool-format`` adds them).
+TOOL_FORMAT_CONTROL_PIECES = {
+    "mistral": ("[TOOL_CALLS]",),
+    "mistral-v11": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+}
 #: The templates by format name (``--tool-format``).
 TOOL_FORMAT_TEMPLATES = {
     "hermes": TOOLS_CHAT_TEMPLATE,
@@ -135,7 +141,8 @@ _PUNCT = list(".,!?;:'\"-()")
 FIM_PIECES = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 
-def _vocab(fim: bool = False) -> tuple[list[str], list[float], list[int]]:
+def _vocab(fim: bool = False, control_pieces: tuple[str, ...] = ()
+           ) -> tuple[list[str], list[float], list[int]]:
     from gguf import TokenType
 
     """Build the SPM vocabulary.
@@ -170,6 +177,8 @@ def _vocab(fim: bool = False) -> tuple[list[str], list[float], list[int]]:
     if fim:
         pieces += list(FIM_PIECES)
         types += [TokenType.CONTROL] * len(FIM_PIECES)
+    pieces += list(control_pieces)
+    types += [TokenType.CONTROL] * len(control_pieces)
 
     # Longer pieces score higher so that whole words win over fragments;
     # non-normal tokens get 0 like sentencepiece exports.
@@ -253,7 +262,7 @@ _QUANTIZED_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight",
 
 def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
                      chat_template: str = CHAT_TEMPLATE, fim: bool = False,
-                     quant: str = "f32") -> None:
+                     quant: str = "f32", control_pieces: tuple[str, ...] = ()) -> None:
     """Write a tiny random-weight llama GGUF (F32 ~0.5 MB, less quantized).
 
     2 layers, 64 dims, 4 heads (2 KV heads), FFN 128, context length 2048,
@@ -269,6 +278,8 @@ def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
         fim: Also give it fill-in-the-middle tokens (``FIM_PIECES``), for
             ``/infill``; the default model has none, like most chat models.
         quant: One of ``QUANTS``: the layers' weight type.
+        control_pieces: More control tokens, as a real vocabulary has its
+            tool format's markers (Mistral's ``[TOOL_CALLS]``).
     """
     if quant not in QUANTS:
         raise ValueError(f"quant {quant!r}: one of {', '.join(QUANTS)}")
@@ -276,7 +287,7 @@ def write_test_model(path: str | os.PathLike[str], *, seed: int = 0,
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
     from gguf.quants import quantize
 
-    pieces, scores, types = _vocab(fim)
+    pieces, scores, types = _vocab(fim, control_pieces)
     n_vocab = len(pieces)
     im_end_id = pieces.index("<|im_end|>")
     head_dim = N_EMBD // N_HEAD

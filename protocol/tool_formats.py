@@ -56,6 +56,12 @@ class ToolFormat:
     #: The answer's content (the text around the calls) and its calls; a
     #: call that cannot be read stays in the content as written.
     split: Callable[[str, Loader], tuple[str, list[Call]]]
+    #: The format's marker strings. Where one is a control token of the
+    #: model's vocabulary (Mistral's ``[TOOL_CALLS]``, Llama's
+    #: ``<|python_tag|>``), the worker writes its text into the answer
+    #: when tools were offered (as llama-server's preserved tokens), or the
+    #: parser would never see it.
+    markers: tuple[str, ...] = ()
 
     def write(self, name: str, arguments: str) -> str:
         before, after = self.around(name)
@@ -130,7 +136,8 @@ HERMES = ToolFormat(
     "hermes",
     lambda name: (f'<tool_call>{{"name": {_q(name)}, "arguments": ', "}</tool_call>"),
     _blocks(re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL),
-            _json_call("name", "arguments", "parameters")))
+            _json_call("name", "arguments", "parameters")),
+    ("<tool_call>", "</tool_call>"))
 
 _PYTHON_TAG = "<|python_tag|>"
 
@@ -159,13 +166,14 @@ def _llama3_split(text: str, loads: Loader) -> tuple[str, list[Call]]:
 LLAMA3 = ToolFormat(
     "llama3",
     lambda name: (f'{{"name": {_q(name)}, "parameters": ', "}"),
-    _llama3_split)
+    _llama3_split, (_PYTHON_TAG,))
 
 MISTRAL = ToolFormat(
     "mistral",
     lambda name: (f'[TOOL_CALLS][{{"name": {_q(name)}, "arguments": ', "}]"),
     _blocks(re.compile(r"\[TOOL_CALLS\]\s*(\[.*\])", re.DOTALL),
-            _json_array("name", "arguments", "parameters")))
+            _json_array("name", "arguments", "parameters")),
+    ("[TOOL_CALLS]",))
 
 #: The arguments of a ``[TOOL_CALLS]name[ARGS]{...}`` call run to the next
 #: call or the end: JSON objects cannot be matched by a regular expression,
@@ -173,17 +181,21 @@ MISTRAL = ToolFormat(
 MISTRAL_V11 = ToolFormat(
     "mistral-v11",
     lambda name: (f"[TOOL_CALLS]{name}[ARGS]", ""),
-    _blocks(re.compile(r"\[TOOL_CALLS\]([A-Za-z0-9_.-]{1,64})"
-                       r"(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]"
+    # Whitespace may follow a marker: an SPM vocabulary writes a word after
+    # a control token with its leading space.
+    _blocks(re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.-]{1,64})"
+                       r"(?:\[CALL_ID\]\s*[A-Za-z0-9]*)?\[ARGS\]"
                        r"(.*?)(?=\[TOOL_CALLS\]|\s*$)", re.DOTALL),
-            _named_args))
+            _named_args),
+    ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"))
 
 COMMAND_R7B = ToolFormat(
     "command-r7b",
     lambda name: (f'<|START_ACTION|>[{{"tool_call_id": "0", "tool_name": '
                   f'{_q(name)}, "parameters": ', "}]<|END_ACTION|>"),
     _blocks(re.compile(r"<\|START_ACTION\|>\s*(.*?)\s*<\|END_ACTION\|>", re.DOTALL),
-            _json_array("tool_name", "parameters", "arguments")))
+            _json_array("tool_name", "parameters", "arguments")),
+    ("<|START_ACTION|>", "<|END_ACTION|>"))
 
 FUNCTIONARY_V3_1 = ToolFormat(
     "functionary-v3.1",
@@ -216,7 +228,7 @@ DEEPSEEK_R1 = ToolFormat(
     "deepseek-r1",
     lambda name: (f"{_DS_CALLS}{_DS_CALL}function{_DS_SEP}{name}\n```json\n",
                   f"\n```{_DS_CALL_END}{_DS_CALLS_END}"),
-    _deepseek_split)
+    _deepseek_split, (_DS_CALLS, _DS_CALLS_END, _DS_CALL, _DS_SEP, _DS_CALL_END))
 
 FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, MISTRAL_V11, COMMAND_R7B,
                                FUNCTIONARY_V3_1, DEEPSEEK_R1)}

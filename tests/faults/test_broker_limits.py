@@ -196,7 +196,9 @@ def test_fake_workers_are_capped_and_a_mute_one_loses_its_job(tiny_model, tmp_pa
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(pool.workers_ep)
-        sock.send_multipart(messages.Ready("fake", "tiny", 2048, 1, host).to_wire())
+        # The real worker's model: a fake of another would make the pool
+        # one of two models, where a request must name one.
+        sock.send_multipart(messages.Ready("fake", model, 2048, 1, host).to_wire())
         return sock
 
     def heartbeat_fakes() -> None:
@@ -208,6 +210,7 @@ def test_fake_workers_are_capped_and_a_mute_one_loses_its_job(tiny_model, tmp_pa
 
     try:
         before = pool.status()["counters"]
+        model = pool.status()["slots"][0]["model"]
         long_names = [fake_worker("h" * 10_000 + str(i)) for i in range(200)]
         wait_until(lambda: pool.status()["counters"]["malformed_dropped"]
                    - before["malformed_dropped"] >= 200, 30,

@@ -252,7 +252,11 @@ class LlamaEngine:
                          timings_per_token=request.timings_per_token,
                          context_limited=len(prompt) + max_tokens >= self.n_ctx,
                          token_ids=True)
-        detok = IncrementalDetokenizer(self._vocab)
+        # With tools offered, the format's control-token markers are text
+        # the frontend's parser must see (llama-server's preserved tokens).
+        detok = IncrementalDetokenizer(
+            self._vocab, preserved=self.prompts.preserved_tokens()
+            if request.tools or request.force_call else frozenset())
         tokens = self._sampled_tokens(plan, request.sampling, logits)
         try:
             finish = loop.run(tokens, self._token_taker(logits, detok),

@@ -70,6 +70,7 @@ class PromptBuilder:
         #: The call format the template teaches (``protocol.tool_formats``);
         #: None: it teaches none this pool can read.
         self.tool_format: tool_formats.ToolFormat | None = None
+        self._preserved: frozenset[int] | None = None
         #: What a failed rendering names (``PromptError``).
         self.template_label = f"the chat format {chat_format!r}"
         self._template = None
@@ -98,6 +99,21 @@ class PromptBuilder:
         self.template_label = template.label
         self.tool_format = tool_formats.detect(template.source)
         self.renders_tools = self.tool_format is not None
+        self._preserved: frozenset[int] | None = None
+
+    def preserved_tokens(self) -> frozenset[int]:
+        """The tool format's markers that are single tokens of this
+        vocabulary (``ToolFormat.markers``), to be written as text in an
+        answer to a request with tools."""
+        if self._preserved is None:
+            ids = set()
+            for marker in (self.tool_format.markers if self.tool_format else ()):
+                tokens = self.llama.tokenize(marker.encode(), add_bos=False,
+                                             special=True)
+                if len(tokens) == 1:
+                    ids.add(tokens[0])
+            self._preserved = frozenset(ids)
+        return self._preserved
 
     def _chat_formatter(self, chat_format: str | None):
         """Pick the chat renderer: the GGUF template, a template chosen by
