@@ -214,7 +214,9 @@ class SlotsResource(LedgerView):
         status = self.ledger(resp)
         if status is None:
             return
-        resp.media = [public_slot(slot) for slot in status.slots]
+        # Grouped by model, in slot order within each (one model: slot order).
+        resp.media = [public_slot(slot) for slot in
+                      sorted(status.slots, key=lambda s: (s.model, s.id))]
 
 
 class QueueResource(LedgerView):

@@ -58,3 +58,21 @@ def test_each_message_goes_to_the_model_picked(two_models, browser):  # noqa: F8
     # The choice is kept in the browser.
     assert d.execute_script(
         "return JSON.parse(localStorage.getItem('llamapool.settings')).model") == "alpha"
+
+
+def test_slots_and_the_pool_view_are_grouped_by_model(two_models, browser):  # noqa: F811
+    slots = httpx.get(two_models.url + "/slots", timeout=30).json()
+    models = [s["model"] for s in slots]
+    assert models == sorted(models) and set(models) == {"alpha", "bravo"}
+    d = browser
+    d.get(two_models.url + "/")
+    d.execute_script("document.getElementById('tab-pool').click()")
+    wait_for(d, "document.querySelectorAll('#slots tr.model-group').length === 2")
+    rows = d.execute_script(
+        "return [...document.querySelectorAll('#slots tbody tr')]"
+        ".map(r => r.className === 'model-group' ? 'group:' + r.dataset.model"
+        " : 'slot:' + r.dataset.model)")
+    assert rows == ["group:alpha", "slot:alpha", "group:bravo", "slot:bravo"]
+    heading = d.execute_script(
+        "return document.querySelector('#slots tr.model-group th').textContent")
+    assert heading == "alpha: 1 slot, 0 busy"

@@ -101,39 +101,64 @@ export class PoolView {
     const busy = slots.filter((s) => s.is_processing).length;
     $("pool-summary").textContent =
       `${slots.length} slot${slots.length === 1 ? "" : "s"}, ${busy} busy`;
-    const rows = slots.map((s) => {
-      const tr = document.createElement("tr");
-      tr.dataset.slot = s.id;
-      tr.dataset.state = s.state;
-      const kv = document.createElement("td");
-      if (s.n_ctx) {
-        const meter = document.createElement("meter");
-        meter.min = 0;
-        meter.max = s.n_ctx;
-        meter.value = s.kv_cache_tokens || 0;
-        kv.append(meter, ` ${s.kv_cache_tokens || 0}/${s.n_ctx}`);
+    // Grouped by model (slot order within each), with a heading row per
+    // model when the pool serves several.
+    const ordered = [...slots].sort((a, b) =>
+      (a.model < b.model ? -1 : a.model > b.model ? 1 : a.id - b.id));
+    const models = [...new Set(ordered.map((s) => s.model))];
+    const rows = [];
+    for (const s of ordered) {
+      if (models.length > 1 && (rows.length === 0 || rows.at(-1).dataset.model !== s.model)) {
+        const group = ordered.filter((o) => o.model === s.model);
+        const heading = document.createElement("tr");
+        heading.className = "model-group";
+        heading.dataset.model = s.model;
+        const th = document.createElement("th");
+        th.colSpan = 11;
+        th.scope = "rowgroup";
+        th.textContent = `${s.model}: ${group.length} slot${group.length === 1 ? "" : "s"}, ` +
+          `${group.filter((o) => o.is_processing).length} busy`;
+        heading.append(th);
+        rows.push(heading);
       }
-      tr.append(
-        cell(String(s.id)),
-        // Paused: its client is not reading; the stall timeout ends it then.
-        // Failing: it died and restarts, or is held; the failure says how.
-        cell(s.failure ? `${s.state}: ${s.failure}`
-          : s.pause_ends_in_s == null ? s.state
-          : `${s.state}, paused (${Math.ceil(s.pause_ends_in_s)} s left)`,
-        `state ${s.state}${s.failure ? " failing" : ""}`),
-        cell(s.host),
-        cell(String(s.pid)),
-        cell(s.model),
-        cell(s.is_processing ? (s.tokens_per_second || 0).toFixed(1) : "—", "num"),
-        cell(s.is_processing ? `${s.n_prompt_tokens} / ${s.n_decoded}` : "—", "num"),
-        kv,
-        cell(cacheFigures(s) || "—"),
-        cell(age(s.lease_age_s), "num"),
-        cell(String(s.jobs_served), "num"),
-      );
-      return tr;
-    });
+      rows.push(this.slotRow(s));
+    }
     $("slots").tBodies[0].replaceChildren(...rows);
+  }
+
+  /** One slot's row. */
+  slotRow(s) {
+    const tr = document.createElement("tr");
+    tr.dataset.model = s.model;
+    tr.dataset.slot = s.id;
+    tr.dataset.state = s.state;
+    const kv = document.createElement("td");
+    if (s.n_ctx) {
+      const meter = document.createElement("meter");
+      meter.min = 0;
+      meter.max = s.n_ctx;
+      meter.value = s.kv_cache_tokens || 0;
+      kv.append(meter, ` ${s.kv_cache_tokens || 0}/${s.n_ctx}`);
+    }
+    tr.append(
+      cell(String(s.id)),
+      // Paused: its client is not reading; the stall timeout ends it then.
+      // Failing: it died and restarts, or is held; the failure says how.
+      cell(s.failure ? `${s.state}: ${s.failure}`
+        : s.pause_ends_in_s == null ? s.state
+        : `${s.state}, paused (${Math.ceil(s.pause_ends_in_s)} s left)`,
+      `state ${s.state}${s.failure ? " failing" : ""}`),
+      cell(s.host),
+      cell(String(s.pid)),
+      cell(s.model),
+      cell(s.is_processing ? (s.tokens_per_second || 0).toFixed(1) : "—", "num"),
+      cell(s.is_processing ? `${s.n_prompt_tokens} / ${s.n_decoded}` : "—", "num"),
+      kv,
+      cell(cacheFigures(s) || "—"),
+      cell(age(s.lease_age_s), "num"),
+      cell(String(s.jobs_served), "num"),
+    );
+    return tr;
   }
 
   /** Live pool tokens/s: the busy slots' own speeds, from their heartbeats
