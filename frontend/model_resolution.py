@@ -95,6 +95,10 @@ class ModelResolver:
         self._gate_names = {n for n in (settings.model_name, os.path.basename(
             settings.tokenizer_model)) if n}
         self._last: dict[str, ModelStatus] = {}
+        #: The snapshot the catalog was built from, and the catalog: one
+        #: tuple, replaced whole, since the endpoint's threads share it. A
+        #: cached snapshot serves many requests; its catalog is built once.
+        self._built: tuple[PoolStatus | None, dict[str, ModelStatus]] = (None, {})
 
     def models(self, fresh: bool = False) -> dict[str, ModelStatus] | None:
         """The pool's catalog (None: no broker answered)."""
@@ -102,8 +106,12 @@ class ModelResolver:
                                   0.0 if fresh else CATALOG_MAX_AGE_S)
         if status is None:
             return None
-        self._last = catalog(status)
-        return self._last
+        built_from, models = self._built
+        if built_from is not status:
+            models = catalog(status)
+            self._built = (status, models)
+        self._last = models
+        return models
 
     def resolve(self, asked: str | None) -> str:
         """The model's name, "" when the pool has none yet (the broker then

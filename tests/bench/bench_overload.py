@@ -29,6 +29,7 @@ import os
 import platform
 
 from tests.bench import llama_server as llama_server_build
+from workers.model.weight_repack import cpu_has_amx
 from tests.bench.harness import (
     llama_server,
     llamapool_up,
@@ -113,9 +114,14 @@ def main() -> None:
         fair += [[f"fifo: {name}", *rest] for name, *rest in fairness_rows(url, args)]
         fifo_pool.stop()
         if llama_server_build.binary_path().exists():
-            server, url = llama_server(model, 2, 2)
+            # On AMX the vendored llama.cpp's repacked Q4_K matmul crashes
+            # (the native-crash issue): both sides without repacking there,
+            # as the workers' --repack auto already is.
+            no_repack = ("--no-repack",) if cpu_has_amx() else ()
+            server, url = llama_server(model, 2, 2, extra=no_repack)
             stack.callback(server.stop)
-            rows.append(overload_row("llama-server -np 2 -t 2", url, args))
+            rows.append(overload_row(f"llama-server -np 2 -t 2 {' '.join(no_repack)}",
+                                     url, args))
         else:
             rows.append(["llama-server -np 2 -t 2", "not built (make llama-server)",
                          "-", "-"])
