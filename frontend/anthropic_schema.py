@@ -320,16 +320,8 @@ def thinking(fields: RequestFields, max_tokens: int | None = None
 
 
 def _stop_sequences(fields: RequestFields) -> list[str]:
-    value = fields.get("stop_sequences")
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise BadRequest("'stop_sequences' must be a list of strings",
-                         param="stop_sequences")
-    if len(value) > MAX_STOP_STRINGS:
-        raise BadRequest(f"'stop_sequences' has {len(value)} strings; at most "
-                         f"{MAX_STOP_STRINGS}", param="stop_sequences")
-    return [s for s in value if s]
+    return [s for s in request_fields.string_list(fields, "stop_sequences",
+                                                  MAX_STOP_STRINGS) if s]
 
 
 def _sampling(fields: RequestFields) -> Sampling:

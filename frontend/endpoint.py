@@ -145,6 +145,8 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
                                       startup_digests(settings.keys_file))
         #: The request's ``model`` to the pool's model (issue 30).
         self.models = ModelResolver(link, settings)
+        #: The brokers a named key's limits are shared between.
+        self._brokers = len(split_endpoints(settings.broker_endpoint))
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         self.handle(req, resp, read_json_body(req, self.settings.max_body_bytes))
@@ -256,7 +258,7 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
         key_record = req.context.get("key_record")
         if key_record is None:
             return None
-        return key_record.policy(len(split_endpoints(self.settings.broker_endpoint)))
+        return key_record.policy(self._brokers)
 
     def model_name(self, job: Job, asked: str | None = None) -> str:
         """The model an answer names: the worker's, else the frontend's

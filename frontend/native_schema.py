@@ -129,16 +129,8 @@ MAX_RESPONSE_FIELDS = 64
 
 
 def _response_fields(fields: RequestFields) -> tuple[str, ...]:
-    value = fields.get("response_fields")
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise BadRequest("'response_fields' must be a list of strings",
-                         param="response_fields")
-    if len(value) > MAX_RESPONSE_FIELDS:
-        raise BadRequest(f"'response_fields' has {len(value)} paths; at most "
-                         f"{MAX_RESPONSE_FIELDS}", param="response_fields")
-    return tuple(value)
+    return tuple(request_fields.string_list(fields, "response_fields",
+                                            MAX_RESPONSE_FIELDS, "paths"))
 
 
 def _id_slot(fields: RequestFields) -> int:

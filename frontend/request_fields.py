@@ -102,6 +102,21 @@ class RequestFields:
 # --- the readers the parsers share -------------------------------------------------
 
 
+def string_list(fields: RequestFields, name: str, most: int,
+                what: str = "strings") -> list[str]:
+    """``name`` as a list of at most ``most`` strings ([] when absent); a 400
+    naming it otherwise (``what``: what the strings are, for the message)."""
+    value = fields.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BadRequest(f"'{name}' must be a list of strings", param=name)
+    if len(value) > most:
+        raise BadRequest(f"'{name}' has {len(value)} {what}; at most {most}",
+                         param=name)
+    return value
+
+
 def model(fields: RequestFields) -> str | None:
     value = fields.get("model")
     if value is not None and not isinstance(value, str):

@@ -46,8 +46,6 @@ from protocol.payloads import HistoryCall
 #: At most this many tools per request (OpenAI allows 128).
 MAX_TOOLS = 128
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-
 #: The deepest JSON a call's arguments may nest, in the model's output or in
 #: the client's history. Python's parser recurses once per level and raised
 #: ``RecursionError`` (a 500, a cut stream) at about 1,000 (issue 29); the
@@ -57,8 +55,6 @@ MAX_JSON_DEPTH = 128
 #: A JSON string (its brackets are not counted), a bracket, or a quote that
 #: opens no string: the text is not JSON from there on.
 _STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]|"', re.DOTALL)
-_CALL_BLOCK = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE),
-                         re.DOTALL)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -252,11 +248,3 @@ def history_calls(calls: Any, where: str) -> list[HistoryCall]:
         out.append(HistoryCall(name, json.dumps(parsed, ensure_ascii=False),
                                call_id[:128] if isinstance(call_id, str) else ""))
     return out
-
-
-def calls_as_text(calls: Any, where: str) -> str:
-    """Earlier ``tool_calls`` as Hermes text (what a worker from before
-    ``HistoryCall`` was sent, and what one writes for a template without a
-    format of its own)."""
-    return "".join(tool_formats.HERMES.write(c.name, c.arguments)
-                   for c in history_calls(calls, where))

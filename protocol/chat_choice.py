@@ -9,6 +9,8 @@ they render alike (``workers.model.chat_templates`` reads it).
 
 from __future__ import annotations
 
+from protocol.settings import ConfigError, setting
+
 #: Prefixes of the string: a llama-cpp-python format name holds no colon.
 TEMPLATE_FILE, TEMPLATE_FLAG = "file:", "chat-template:"
 
@@ -30,3 +32,32 @@ def chat_choice(chat_format: str | None, chat_template: str,
     if chat_template:
         return TEMPLATE_FLAG + chat_template
     return chat_format
+
+
+def checked_chat_choice(chat_format: str | None, chat_template: str,
+                        chat_template_file: str) -> str | None:
+    """``chat_choice``, with two settings given a ``ConfigError`` (a
+    settings class's ``__post_init__``)."""
+    try:
+        return chat_choice(chat_format, chat_template, chat_template_file)
+    except ChatChoiceError as exc:
+        raise ConfigError(f"chat template: {exc}") from None
+
+
+# The worker and the frontend's prompt gate render alike, so they take the
+# two template settings alike: each class declares its fields with these.
+
+def chat_template_setting():
+    return setting(
+        "", "LLAMAPOOL_CHAT_TEMPLATE", "llama.cpp template name, or Jinja",
+        shown="(none)", flag="--chat-template",
+        help="llama.cpp's built-in chat template by name (chatml, llama3, "
+             "gemma, mistral-v7, ...), or a Jinja template's text, as "
+             "llama-server reads it")
+
+
+def chat_template_file_setting():
+    return setting(
+        "", "LLAMAPOOL_CHAT_TEMPLATE_FILE", "Jinja chat template file",
+        shown="(none)", flag="--chat-template-file",
+        help="a Jinja chat template file, instead of the GGUF's")

@@ -79,6 +79,18 @@ def free_port() -> int:
             return port
 
 
+def scrape_metrics(url: str, headers: dict | None = None,
+                   timeout_s: float = 120) -> dict:
+    """A ``/metrics`` page as {(name, sorted label pairs): value}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", headers=headers, timeout=timeout_s).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples}
+
+
 def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.02):
     """Poll ``condition`` until it returns a truthy value or the deadline passes."""
     deadline = time.monotonic() + timeout_s

@@ -16,7 +16,7 @@ from frontend.settings import ConfigError, FrontendSettings
 from frontend.tool_calls import (
     MAX_JSON_DEPTH,
     TooDeep,
-    calls_as_text,
+    history_calls,
     json_depth,
     loads_shallow,
     split_calls,
@@ -24,6 +24,7 @@ from frontend.tool_calls import (
 from llamapool.cli import build_parser
 from llamapool.supervisor import UP_FRONTEND_FLAGS
 from protocol.settings import as_argv, given_flags
+from protocol.tool_formats import HERMES
 
 BASE = {"LLAMAPOOL_BROKER": "ipc:///tmp/x"}
 
@@ -190,10 +191,10 @@ def test_deep_calls_are_text_in_output_and_a_400_in_history():
     block = '<tool_call>{"name": "f", "arguments": ' + deep + "}</tool_call>"
     assert split_calls(block) == (block, [])
     with pytest.raises(BadRequest) as raised:
-        calls_as_text([{"function": {"name": "f", "arguments": deep}}],
+        history_calls([{"function": {"name": "f", "arguments": deep}}],
                       "messages[1].tool_calls")
     assert raised.value.param == "messages[1].tool_calls[0].function.arguments"
     shallow = json.dumps({"a": [[1]]})
-    assert calls_as_text([{"function": {"name": "f", "arguments": shallow}}],
-                         "m") == '<tool_call>{"name": "f", "arguments": {"a": [[1]]}}' \
-                                 "</tool_call>"
+    assert "".join(HERMES.write(c.name, c.arguments) for c in history_calls(
+        [{"function": {"name": "f", "arguments": shallow}}], "m")) == (
+            '<tool_call>{"name": "f", "arguments": {"a": [[1]]}}</tool_call>')

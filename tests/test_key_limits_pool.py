@@ -17,9 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.pool import wait_until
+from tests.pool import scrape_metrics, wait_until
 from tests.pool_factory import PoolOptions
 from tests.test_slot_paths import hold_slot
 
@@ -84,10 +83,7 @@ def complete(pool, key: str, prompt: str = "Hi", max_tokens: int = 4,
 
 
 def scrape(pool) -> dict:
-    text = httpx.get(pool.url + "/metrics", headers=auth(PLAIN), timeout=TIMEOUT_S).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples}
+    return scrape_metrics(pool.url, auth(PLAIN), TIMEOUT_S)
 
 
 def metric(pool, name: str, **labels) -> float:

@@ -18,9 +18,8 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.pool import wait_until
+from tests.pool import scrape_metrics, wait_until
 from tests.pool_factory import pool_fixture
 from tests.test_slot_paths import hold_slot
 
@@ -46,10 +45,7 @@ def auth(key: str) -> dict:
 
 
 def scrape(pool) -> dict:
-    text = httpx.get(pool.url + "/metrics", headers=auth(KEY_A), timeout=TIMEOUT_S).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples}
+    return scrape_metrics(pool.url, auth(KEY_A), TIMEOUT_S)
 
 
 def metric(pool, name: str, **labels) -> float:

@@ -261,9 +261,9 @@ class WaitingJobs:
                                  waiter.model)
             b.stats.queue_wait.observe(now - waiter.since)
             b.start_job(waiter.frontend, waiter.submit, waiter.raw, slot, now)
-            self._traced(waiter.job_id, "started", now)
+            self._left_queue(waiter.job_id, "started", now)
         for waiter in self.room.expire(now):
-            self._traced(waiter.job_id, "expired", now)
+            self._left_queue(waiter.job_id, "expired", now)
             b.counters.queue_expired += 1
             b.counters.no_slot += 1
             b.to_frontend(waiter.frontend, messages.NoSlot(
@@ -286,16 +286,16 @@ class WaitingJobs:
         if self.room.remove(job_id, frontend) is None:
             return False
         self.broker.counters.queue_left += 1
-        self._traced(job_id, "left", time.monotonic())
+        self._left_queue(job_id, "left", time.monotonic())
         return True
 
     def frontend_gone(self, ident: bytes) -> None:
         gone = self.room.drop_frontend(ident)
         self.broker.counters.queue_left += len(gone)
         for waiter in gone:
-            self._traced(waiter.job_id, "left", time.monotonic())
+            self._left_queue(waiter.job_id, "left", time.monotonic())
 
-    def _traced(self, job_id: str, outcome: str, now: float) -> None:
+    def _left_queue(self, job_id: str, outcome: str, now: float) -> None:
         """The job left the queue (its key's count and its trace)."""
         if outcome != "started":
             self.broker.key_accounts.on_dequeued(job_id)

@@ -47,7 +47,12 @@ import os
 
 from protocol import defaults, limits, timing
 from protocol.broker_list import split_endpoints
-from protocol.chat_choice import ChatChoiceError, chat_choice
+from protocol.chat_choice import (
+    chat_choice,
+    chat_template_file_setting,
+    chat_template_setting,
+    checked_chat_choice,
+)
 from protocol.settings import (
     ConfigError,
     non_negative_float,
@@ -119,16 +124,8 @@ class WorkerSettings:
         flag="--chat-format",
         help="named chat format (e.g. gemma), or 'template' for the GGUF's "
              "Jinja template (default: template if present)")
-    chat_template: str = setting(
-        "", "LLAMAPOOL_CHAT_TEMPLATE", "llama.cpp template name, or Jinja",
-        shown="(none)", flag="--chat-template",
-        help="llama.cpp's built-in chat template by name (chatml, llama3, "
-             "gemma, mistral-v7, ...), or a Jinja template's text, as "
-             "llama-server reads it")
-    chat_template_file: str = setting(
-        "", "LLAMAPOOL_CHAT_TEMPLATE_FILE", "Jinja chat template file",
-        shown="(none)", flag="--chat-template-file",
-        help="a Jinja chat template file, instead of the GGUF's")
+    chat_template: str = chat_template_setting()
+    chat_template_file: str = chat_template_file_setting()
     model_name: str = setting(
         "", "LLAMAPOOL_MODEL_NAME", "name in /v1/models", shown="(file name)",
         flag="--model-name")
@@ -238,10 +235,9 @@ class WorkerSettings:
 
     def __post_init__(self) -> None:
         split_endpoints(self.broker_endpoint)  # ConfigError if empty or repeated
-        try:  # at most one of the chat template settings
-            self.chat_choice  # noqa: B018
-        except ChatChoiceError as exc:
-            raise ConfigError(f"chat template: {exc}") from None
+        # At most one of the chat template settings.
+        checked_chat_choice(self.chat_format, self.chat_template,
+                            self.chat_template_file)
         threads = str(self.n_threads).strip()
         if threads != "auto" and not (threads.isdigit()
                                       and int(threads) <= limits.MAX_THREADS):
