@@ -24,9 +24,9 @@ from frontend.endpoint import GenerationEndpoint, Submission
 from frontend.interfaces import BrokerClient
 from frontend.job import Job
 from frontend.prompt_count import PromptCountResource
-from frontend.prompt_gate import PromptGate
 from frontend.reasoning import reasoning_split, with_thinking
 from frontend.settings import FrontendSettings
+from frontend.vocabularies import Vocabularies
 
 #: Where Anthropic's error shape applies.
 PATH = "/v1/messages"
@@ -40,8 +40,8 @@ class MessagesResource(GenerationEndpoint[MessagesRequest]):
 
     def admit(self, parsed: MessagesRequest, body: Any
               ) -> Submission[MessagesRequest]:
-        generation = self.gated(with_thinking(self.gate, parsed.generation,
-                                              parsed.thinking))
+        generation = self.gated(with_thinking(self.door_gate(parsed.generation),
+                                              parsed.generation, parsed.thinking))
         # ``message_start`` shows the prompt's size when the door counted it.
         return Submission(parsed, generation, stream=parsed.stream,
                           n_prompt=len(generation.prompt_tokens or ()))
@@ -53,12 +53,13 @@ class MessagesResource(GenerationEndpoint[MessagesRequest]):
             req.context.request_id, self.model_name(job, parsed.model),
             n_prompt=submission.n_prompt, tools=parsed.tools,
             single_call=parsed.single_call, stop_sequences=parsed.stop_sequences,
-            reasoning=reasoning_split(self.gate, submission.generation))
+            reasoning=reasoning_split(self.door_gate(submission.generation),
+                                      submission.generation))
 
 
 def add_anthropic_routes(app: falcon.App, link: BrokerClient,
-                         settings: FrontendSettings, gate: PromptGate | None
+                         settings: FrontendSettings, vocabs: Vocabularies
                          ) -> None:
-    app.add_route(PATH, MessagesResource(link, settings, gate))
+    app.add_route(PATH, MessagesResource(link, settings, vocabs))
     app.add_route(PATH + "/count_tokens", PromptCountResource(
-        settings, gate, parse_count, lambda n: {"input_tokens": n}, link))
+        settings, vocabs, parse_count, lambda n: {"input_tokens": n}, link))

@@ -398,6 +398,8 @@ def parse_messages(body: Any) -> MessagesRequest:
         force_call=tools.force,
         add_generation_prompt=not prefilled(turns),
         continue_final=prefilled(turns),
+        # max_tokens is required here: only the samplers are left to a worker.
+        defaulted=request_fields.left_out(fields, None),
     )
     stream = request_fields.stream(fields)
     model = request_fields.model(fields)

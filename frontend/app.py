@@ -16,7 +16,6 @@ import falcon
 from frontend import anthropic_api, metrics, openai_schema, tracing
 from frontend.anthropic_format import error_shape as anthropic_error_shape
 from frontend.auth import ApiKeyMiddleware
-from frontend.key_records import KeyRecords
 from frontend.broker_link import BrokerLink
 from frontend.broker_pool import BrokerPool
 from frontend.cors import (
@@ -33,16 +32,19 @@ from frontend.errors import (
 )
 from frontend.interfaces import BrokerClient
 from frontend.job import Job
+from frontend.key_records import KeyRecords
 from frontend.model_resolution import catalog
 from frontend.native_api import add_native_routes
 from frontend.openai_format import ResponseShaper
 from frontend.probes import add_probe_routes
 from frontend.prompt_count import add_chat_count_routes
-from frontend.prompt_gate import PromptGate
 from frontend.reasoning import reasoning_split
 from frontend.request_log import RequestLogMiddleware
+from frontend.rerank_api import add_rerank_routes
 from frontend.responses_api import add_responses_routes
 from frontend.settings import FrontendSettings
+from frontend.slot_actions import add_slot_action_routes
+from frontend.vocabularies import Vocabularies
 from frontend.web_page import add_page_routes
 from protocol.broker_list import split_endpoints
 from protocol.curve import client_keys
@@ -68,8 +70,8 @@ class GenerationResource(GenerationEndpoint[openai_schema.ParsedRequest]):
     ``POST /v1/chat/completions`` (``kind="chat"``)."""
 
     def __init__(self, kind: str, link: BrokerClient,
-                 settings: FrontendSettings, gate: PromptGate | None) -> None:
-        super().__init__(link, settings, gate)
+                 settings: FrontendSettings, vocabs: Vocabularies) -> None:
+        super().__init__(link, settings, vocabs)
         self.kind = kind
         self._parse = (openai_schema.parse_chat if kind == "chat"
                        else openai_schema.parse_completion)
@@ -88,7 +90,8 @@ class GenerationResource(GenerationEndpoint[openai_schema.ParsedRequest]):
             parsed.include_usage,
             parsed.logprobs,
             tools=parsed.tools,
-            reasoning=reasoning_split(self.gate, submission.generation,
+            reasoning=reasoning_split(self.door_gate(submission.generation),
+                                      submission.generation,
                                       parsed.reasoning_format)
             if self.kind == "chat" else None,
         )
@@ -289,7 +292,7 @@ class LlamapoolApp(falcon.App):
     """A Falcon app that also exposes its broker link (for hooks and tests)."""
 
     link: BrokerClient
-    gate: PromptGate | None
+    vocabs: Vocabularies
     #: Read by the gunicorn worker too (``llamapool.http_worker``).
     settings: FrontendSettings
 
@@ -297,8 +300,7 @@ class LlamapoolApp(falcon.App):
         """Connect to the broker and load the tokenizer before the first
         request (gunicorn's ``post_worker_init``), so it does not pay for it."""
         self.link.start()
-        if self.gate is not None:
-            self.gate.load()
+        self.vocabs.load()
 
 
 def broker_links(settings: FrontendSettings) -> BrokerClient:
@@ -345,13 +347,10 @@ def create_app(
         app, refused_model=settings.model_name or DEFAULT_MODEL_NAME,
         # Anthropic's clients read its own error shape (a 401 included).
         shapes=((anthropic_api.PATH, anthropic_error_shape),))
-    gate = (
-        PromptGate(settings.tokenizer_model, settings.chat_choice, settings.n_ctx)
-        if settings.tokenizer_model
-        else None
-    )
-    completions = GenerationResource("completion", link, settings, gate)
-    chat = GenerationResource("chat", link, settings, gate)
+    # The prompt gates: one per model this frontend has the file of.
+    vocabs = Vocabularies(settings)
+    completions = GenerationResource("completion", link, settings, vocabs)
+    chat = GenerationResource("chat", link, settings, vocabs)
     models = ModelsResource(link, settings)
     health = HealthResource(link, settings)
     for prefix in ("", "/v1"):
@@ -363,16 +362,18 @@ def create_app(
     native_embeddings = EmbeddingsResource(link, settings, native=True)
     app.add_route("/embeddings", native_embeddings)
     app.add_route("/embedding", native_embeddings)  # llama.cpp's older name
-    add_native_routes(app, link, settings, gate)
-    anthropic_api.add_anthropic_routes(app, link, settings, gate)
-    add_responses_routes(app, link, settings, gate)
-    add_chat_count_routes(app, link, settings, gate)
+    add_rerank_routes(app, link, settings)
+    add_native_routes(app, link, settings, vocabs)
+    anthropic_api.add_anthropic_routes(app, link, settings, vocabs)
+    add_responses_routes(app, link, settings, vocabs)
+    add_chat_count_routes(app, link, settings, vocabs)
     app.add_route("/slots", SlotsResource(link, settings))
+    add_slot_action_routes(app, link, settings)
     app.add_route("/queue", QueueResource(link, settings))
     app.add_route("/metrics", MetricsResource(link, settings))
     add_probe_routes(app, link, settings)
     add_page_routes(app)
     app.link = link
-    app.gate = gate
+    app.vocabs = vocabs
     app.settings = settings
     return app

@@ -44,6 +44,7 @@ _JOB_MESSAGES = (
     messages.Token,
     messages.Final,
     messages.Error,
+    messages.SlotDone,
 )
 
 
@@ -162,6 +163,16 @@ class BrokerLink(LinkHandler):
         stream = JobStream(job_id)
         self._streams[job_id] = stream
         self._conn.send(msg, frames)
+        return stream
+
+    def slot_action(self, msg: messages.SlotAction) -> JobStream:
+        """Open the action's stream, then send it; its one answer is
+        SLOT_DONE, or NO_SLOT or ERROR from the broker
+        (``frontend.slot_actions``)."""
+        self.start()
+        stream = JobStream(msg.job_id)
+        self._streams[msg.job_id] = stream
+        self._conn.send(msg)
         return stream
 
     def forget(self, job_id: str) -> None:

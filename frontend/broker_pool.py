@@ -30,6 +30,7 @@ one link (``frontend.interfaces.BrokerClient``):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -142,9 +143,8 @@ class PoolJobStream:
                 return msg
             if isinstance(msg, messages.Accepted):
                 self._pool.accepted_by(self.broker_index, self._blocks)
-                return messages.Accepted(
-                    msg.job_id, pool_slot_id(self.broker_index, msg.slot_id),
-                    msg.model)
+                return dataclasses.replace(
+                    msg, slot_id=pool_slot_id(self.broker_index, msg.slot_id))
             refused = isinstance(msg, messages.NoSlot)
             if refused:
                 self._pool.refused_by(self.broker_index, msg.retry_after_s)
@@ -242,6 +242,17 @@ class BrokerPool:
         return PoolJobStream(self, job_id, request, blocks,
                              self.serving(self.order_for(blocks), request.model),
                              origin=origin)
+
+    def slot_action(self, msg: messages.SlotAction) -> JobStream:
+        """To the broker whose ledger has the pool-wide slot ``msg.id_slot``,
+        with its own id for it, as ``submit`` routes ``id_slot``."""
+        self.start()
+        index, local = divmod(msg.id_slot, SLOT_ID_STRIDE)
+        if index >= len(self._links):
+            index, local = 0, msg.id_slot
+        self._job_broker[msg.job_id] = index
+        return self._links[index].slot_action(
+            dataclasses.replace(msg, id_slot=local))
 
     def serving(self, order: list[int], model: str) -> list[int]:
         """``order`` without the brokers whose last ledger had no worker of

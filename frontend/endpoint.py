@@ -14,9 +14,11 @@ the one copy, in the order in which its errors win:
    ``Submission``), then ``scoped``: the job's cache tenant, from the key
    and the ``cache_salt`` (``frontend.cache_scope``);
 4. the request's log record learns whether it streams;
-5. submit (``frontend.generation.start_job``: 503 + Retry-After when every
+5. submit (``frontend.generation.start_job_steps``: 503 + Retry-After when every
    slot is busy, 502/504 for the pool's failures, before anything is sent),
-   then the answer's headers and the record's slot, written here;
+   then the answer's headers and the record's slot, written here; a
+   streamed job that the broker queues is answered at once and waits in
+   its body (``frontend.queued_stream``);
 6. ``respond``: collect the job or stream it.
 
 A text endpoint subclasses ``GenerationEndpoint`` and writes ``parse`` and
@@ -42,18 +44,20 @@ from frontend.auth import presented_key
 from frontend.cache_scope import CacheScope
 from frontend.client_socket import client_gone
 from frontend.errors import BadRequest, ClientGone
-from frontend.generation import collect, start_job
+from frontend.generation import collect, start_job_steps
 from frontend.interfaces import BrokerClient, JobOrigin, Shaper
-from frontend.job import Job
+from frontend.job import Job, run_steps
 from frontend.key_records import startup_digests
 from frontend.lease import LeaseEnding
 from frontend.model_resolution import ModelResolver
 from frontend.prompt_gate import PromptGate
+from frontend.queued_stream import JobSteps, QueuedStreamBody, first_step
 from frontend.request_body import read_json_body
 from frontend.request_log import RequestRecord
 from frontend.settings import FrontendSettings
-from frontend.sse import stream_answer
+from frontend.sse import stream_answer, stream_body
 from frontend.tracing import traced_gate_check, traced_parse
+from frontend.vocabularies import Vocabularies
 from protocol.broker_list import split_endpoints
 from protocol.payloads import GenerationRequest, KeyPolicy
 
@@ -132,15 +136,16 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
     Args:
         link: the broker (one link, or a pool of them).
         settings: the frontend's.
-        gate: the prompt gate, or None when the frontend has no vocabulary
-            (the worker then counts, and refuses an over-long prompt).
+        vocabs: the vocabularies this frontend holds (``door_gate``), or None
+            when it has none (the worker then counts, and refuses an
+            over-long prompt).
     """
 
     def __init__(self, link: BrokerClient, settings: FrontendSettings,
-                 gate: PromptGate | None = None) -> None:
+                 vocabs: Vocabularies | None = None) -> None:
         self.link = link
         self.settings = settings
-        self.gate = gate
+        self.vocabs = vocabs
         self.cache_scope = CacheScope(settings.cache_scope, settings.api_keys,
                                       startup_digests(settings.keys_file))
         #: The request's ``model`` to the pool's model (issue 30).
@@ -163,10 +168,21 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
         submission = self.scoped(
             req, self.admit(with_model(parsed, model), body), model)
         record: RequestRecord = req.context.record
+        record.model = self.models.label(model)
         record.stream = submission.stream
         record.key_suffix = req.context.get("key_suffix", "-")
         self.refuse_if_gone(req)
-        job = self.submit(req, submission, record, resp)
+        steps = self.job_steps(req, submission, record)
+        if submission.stream:
+            job, waiting = first_step(steps)
+            if waiting:
+                # The broker queued it: a stream answers now, and says it
+                # waits (frontend.queued_stream).
+                self.respond_waiting(req, resp, submission, steps, job)
+                return
+        else:
+            job = run_steps(steps)
+        self.name_slot(job, record, resp)
         try:
             self.respond(req, resp, submission, job)
         except BaseException:
@@ -206,11 +222,12 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
                 else traced_gate_check(gate, generation))
 
     def door_gate(self, generation: GenerationRequest) -> PromptGate | None:
-        """The prompt gate, when its vocabulary is the job's model's; None:
-        the worker counts (``ModelResolver.counts_at_door``)."""
-        if self.gate is None or not self.models.counts_at_door(generation.model):
+        """The prompt gate of the job's model (``generation.model``, as the
+        pool resolved it); None: this frontend holds no vocabulary of it,
+        and its worker counts (``frontend.vocabularies``)."""
+        if not self.vocabs:
             return None
-        return self.gate
+        return self.vocabs.gate_for(generation.model, self.models.seen)
 
     def scoped(self, req: falcon.Request, submission: Submission[Parsed],
                model: str = "") -> Submission[Parsed]:
@@ -224,14 +241,26 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
         return dataclasses.replace(submission, generation=dataclasses.replace(
             generation, cache_tenant=tenant, model=model))
 
-    def submit(self, req: falcon.Request, submission: Submission[Parsed],
-               record: RequestRecord, resp: falcon.Response) -> Job:
-        """Start the job with the frontend's timeouts; the record follows it
-        (its outcome, and its lease's end), and the answer's headers name the
-        slot and the process that holds the lease (for operators and fault
-        tests)."""
+    def respond_waiting(self, req: falcon.Request, resp: falcon.Response,
+                        submission: Submission[Parsed], steps: JobSteps,
+                        job: Job) -> None:
+        """A streamed job the broker queued: by default it waits here, then
+        is answered as any (a text endpoint streams the wait)."""
+        job = run_steps(steps)
+        self.name_slot(job, req.context.record, resp)
+        try:
+            self.respond(req, resp, submission, job)
+        except BaseException:
+            job.end(LeaseEnding.LOCAL_ERROR)
+            raise
+
+    def job_steps(self, req: falcon.Request, submission: Submission[Parsed],
+                  record: RequestRecord) -> JobSteps:
+        """Start the job with the frontend's timeouts (a generator of its
+        wait for a slot: ``start_job_steps``); the record follows it (its
+        outcome, and its lease's end)."""
         s = self.settings
-        job = start_job(
+        return start_job_steps(
             self.link, submission.generation,
             submit_timeout_s=s.submit_timeout_s,
             frame_timeout_s=s.frame_timeout_s,
@@ -247,10 +276,14 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
                              key_policy=self.key_policy(req)),
             client_gone=lambda: client_gone(req),
         )
+
+    @staticmethod
+    def name_slot(job: Job, record: RequestRecord, resp: falcon.Response) -> None:
+        """The record's slot, and the answer's headers naming the slot and the
+        process that holds the lease (for operators and fault tests)."""
         record.slot_id = job.slot_id
         resp.set_header("X-Slot-Id", str(job.slot_id))
         resp.set_header("X-Frontend-Pid", str(os.getpid()))
-        return job
 
     def key_policy(self, req: falcon.Request) -> KeyPolicy | None:
         """A named key's limits, this broker's share of them
@@ -301,3 +334,19 @@ class GenerationEndpoint(JobEndpoint[ParsedText]):
             return
         text, final, entries = collect(job, lambda: client_gone(req))
         resp.media = shaper.whole_answer(text, final, entries)
+
+    def respond_waiting(self, req: falcon.Request, resp: falcon.Response,
+                        submission: Submission[ParsedText], steps: JobSteps,
+                        job: Job) -> None:
+        """Stream the wait, then the job (``frontend.queued_stream``): the
+        headers go now, so the slot is named in the request's log only."""
+        record: RequestRecord = req.context.record
+        resp.set_header("X-Frontend-Pid", str(os.getpid()))
+
+        def started(job: Job) -> None:
+            record.slot_id = job.slot_id
+
+        body = QueuedStreamBody(steps, job,
+                                lambda job: self.shaper(req, submission, job),
+                                started)
+        stream_body(req, resp, body, self.settings.stream_sndbuf_bytes)

@@ -33,6 +33,8 @@ log = logging.getLogger("llamapool.frontend")
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "unavailable_error"
+#: llama.cpp's type for what this server cannot do (its 501s).
+NOT_SUPPORTED = "not_supported_error"
 #: llama.cpp's type for a prompt that does not fit the context.
 EXCEED_CONTEXT_SIZE = "exceed_context_size_error"
 
@@ -58,6 +60,8 @@ HTTP_FORMS: dict[ErrorCode, HttpForm] = {
     ErrorCode.INPUT_TOO_LARGE: HttpForm(400, INVALID_REQUEST),
     ErrorCode.DUPLICATE_JOB: HttpForm(400, INVALID_REQUEST),
     ErrorCode.INVALID_SLOT: HttpForm(400, INVALID_REQUEST),
+    ErrorCode.INVALID_SLOT_FILE: HttpForm(400, INVALID_REQUEST),
+    ErrorCode.SLOT_ACTIONS_UNSUPPORTED: HttpForm(501, NOT_SUPPORTED),
     ErrorCode.MODEL_NOT_FOUND: HttpForm(404, INVALID_REQUEST),
     ErrorCode.CLIENT_STALLED: HttpForm(408, INVALID_REQUEST),
     ErrorCode.ENGINE_ERROR: HttpForm(500, SERVER_ERROR),
@@ -316,7 +320,8 @@ def install_error_handlers(app: falcon.App, refused_model: str = "",
     """The single place where exceptions become HTTP responses.
 
     ``refused_model`` labels the no-slot refusals
-    (``metrics.REQUESTS_REFUSED_NO_SLOT``). ``shapes``: (path prefix, shape)
+    (``metrics.REQUESTS_REFUSED_NO_SLOT``) of a request that resolved no
+    model (``RequestRecord.model``: no catalog to resolve it in). ``shapes``: (path prefix, shape)
     of the API families that answer errors in their own shape; a request
     under such a prefix gets its errors so, a 401 or 404 included.
     """
@@ -333,7 +338,10 @@ def install_error_handlers(app: falcon.App, refused_model: str = "",
         if ex.reject_reason is not None:
             metrics.REQUESTS_REJECTED.labels(ex.reject_reason).inc()
         if isinstance(ex, NoSlotAvailable):
-            metrics.REQUESTS_REFUSED_NO_SLOT.labels(refused_model).inc()
+            # The model the request resolved to (``RequestRecord.model``).
+            record = req.context.get("record")
+            metrics.REQUESTS_REFUSED_NO_SLOT.labels(
+                getattr(record, "model", "") or refused_model).inc()
         write_error(resp, ex, shape_of(req))
 
     def on_falcon_error(req, resp, ex: falcon.HTTPError, params) -> None:

@@ -1,7 +1,9 @@
 """Running one generation job from a request thread: setup, then hand-over.
 
-``start_job`` is the setup phase: it takes the lease, submits, and waits for
-the broker's answer and the worker's first frame. Any failure in here
+``start_job_steps`` is the setup phase: it takes the lease, submits, and
+waits for the broker's answer and the worker's first frame (a streamed job
+that waits in the broker's queue is answered meanwhile: it yields each step
+of the wait, ``frontend.queued_stream``). Any failure in here
 releases the lease before the exception leaves (DESIGN.md: setup failures
 release too), and an error the worker or broker reported becomes an HTTP
 status, since nothing was sent yet. On success the caller moves the ``Job``
@@ -37,7 +39,7 @@ from protocol.payloads import GenerationRequest, TokenLogprob
 from protocol.prefix import prefix_blocks
 
 
-def start_job(
+def start_job_steps(
     link: BrokerClient,
     generation: GenerationRequest,
     *,
@@ -49,8 +51,13 @@ def start_job(
     id_slot: int = -1,
     origin: JobOrigin | None = None,
     client_gone: Callable[[], bool] | None = None,
-) -> Job:
-    """Submit ``generation`` and wait for its first frame.
+):
+    """Submit ``generation`` and wait for its first frame: a generator that
+    yields the job at each step of a wait in the broker's queue
+    (``Job.answer_steps``) and returns the started job. ``run_steps`` drives
+    it to its end; a stream answers while its job waits
+    (``frontend.queued_stream``). Closed mid-wait, its lease ends as a setup
+    failure (CANCEL), unless its owner ended it first.
 
     ``client_gone`` is asked while the job waits for a slot (the broker's
     queue): a client that left ends it there (``ClientGone``).
@@ -70,21 +77,22 @@ def start_job(
             or no answer or first frame came in time.
         Unavailable: the broker answered something that is no answer.
     """
-    def attempt() -> Job:
-        return _submit(link, generation, submit_timeout_s=submit_timeout_s,
-                       frame_timeout_s=frame_timeout_s,
-                       credit_batch_frames=credit_batch_frames,
-                       outcome=new_outcome(), on_release=on_release,
-                       id_slot=id_slot, origin=origin, client_gone=client_gone)
+    def attempt():
+        return (yield from _submit_steps(
+            link, generation, submit_timeout_s=submit_timeout_s,
+            frame_timeout_s=frame_timeout_s,
+            credit_batch_frames=credit_batch_frames, outcome=new_outcome(),
+            on_release=on_release, id_slot=id_slot, origin=origin,
+            client_gone=client_gone))
 
     try:
-        return attempt()
+        return (yield from attempt())
     except UpstreamError as exc:
         if exc.code != ErrorCode.WORKER_DIED:
             raise
         first_death = exc
     try:
-        return attempt()
+        return (yield from attempt())
     except UpstreamError as exc:
         if exc.code != ErrorCode.WORKER_DIED:
             raise first_death from None  # no second worker: the first error
@@ -96,7 +104,7 @@ def start_job(
         raise first_death from None
 
 
-def _submit(
+def _submit_steps(
     link: BrokerClient,
     generation: GenerationRequest,
     *,
@@ -108,8 +116,9 @@ def _submit(
     id_slot: int,
     origin: JobOrigin | None = None,
     client_gone: Callable[[], bool] | None = None,
-) -> Job:
-    """One try of ``start_job``: a lease, SUBMIT, the answer, the first frame."""
+):
+    """One try of ``start_job_steps``: a lease, SUBMIT, the answer, the first frame
+    (a generator of the wait's steps, returning the job)."""
     trace = job_trace(id_slot)  # None when tracing is off
     if trace is not None:
         on_release = trace.releasing(on_release, outcome)
@@ -123,7 +132,7 @@ def _submit(
         stream = link.submit(lease.job_id, generation, blocks, id_slot, origin)
         job = Job(lease, stream, send=link.send, frame_timeout_s=frame_timeout_s,
                   credit_batch_frames=credit_batch_frames, outcome=outcome)
-        answer = job.answer(submit_timeout_s, client_gone)
+        answer = yield from job.answer_steps(submit_timeout_s, client_gone)
         if trace is not None:
             trace.answered(answer, stream, job.queued)
         if answer is None:

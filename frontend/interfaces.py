@@ -91,6 +91,11 @@ class BrokerClient(Protocol):
         """
         ...
 
+    def slot_action(self, msg: messages.SlotAction) -> FrameStream:
+        """Open the slot action's stream and send it to the broker of its
+        slot (``frontend.slot_actions``)."""
+        ...
+
     def forget(self, job_id: str) -> None:
         """Stop routing the job's frames (late ones are dropped)."""
         ...

@@ -31,13 +31,19 @@ from frontend.interfaces import FrameStream
 from frontend.lease import LeaseEnding, SlotLease
 from protocol import messages
 from protocol.errors import ErrorCode
-from protocol.payloads import Timings, Usage
+from protocol.payloads import RequestDefaults, Timings, Usage
 
 #: How often a job waiting for its slot asks whether its client is still there.
 WAIT_POLL_S = 0.1
 
 #: What the client reads when the worker sends nothing for the frame timeout.
 TIMEOUT_MESSAGE = "no output from the worker in time"
+
+#: How often a job waiting in the broker's queue says so again, with no
+#: news (a streamed waiter's SSE comment: proxies time out a silent
+#: stream, nginx's ``proxy_read_timeout`` after 60 s; llama-server pings
+#: every 30 s).
+WAITING_REMINDER_S = 15.0
 
 #: A frame ``Job`` hands out: output, or the job's one terminal frame.
 JobFrame = messages.Token | messages.Final | messages.Error
@@ -103,6 +109,8 @@ class Job:
         self.model = ""
         #: The broker's last QUEUED for the job, if it waited for a slot.
         self.queued: messages.Queued | None = None
+        #: Its worker's defaults for what the request left out (ACCEPTED's).
+        self.defaults: RequestDefaults | None = None
         self._stream = stream
         self._send = send
         self._frame_timeout_s = frame_timeout_s
@@ -129,24 +137,43 @@ class Job:
             ClientGone: the client left; the lease ended as a disconnect,
                 whose CANCEL takes the job out of the broker's queue.
         """
+        return run_steps(self.answer_steps(timeout_s, client_gone))
+
+    def answer_steps(self, timeout_s: float,
+                     client_gone: Callable[[], bool] | None = None,
+                     remind_s: float = WAITING_REMINDER_S):
+        """``answer`` as a generator that yields this job at each step of a
+        wait in the broker's queue: each QUEUED (``self.queued``: its
+        position), and again every ``remind_s`` without one, so that a
+        stream can tell its client it still waits (``frontend.queued_stream``);
+        its return value is ``answer``'s."""
         deadline = time.monotonic() + timeout_s
+        remind_at = None
         while True:
             left = deadline - time.monotonic()
+            if remind_at is not None:
+                left = min(left, remind_at - time.monotonic())
             msg = self._stream.get(max(0.0, min(left, WAIT_POLL_S)
                                        if client_gone else left))
             if msg is None:
                 if client_gone is not None and client_gone():
                     self.lease.release(LeaseEnding.DISCONNECT)
                     raise ClientGone()
+                if remind_at is not None and time.monotonic() >= remind_at:
+                    remind_at = time.monotonic() + remind_s
+                    yield self
                 if time.monotonic() < deadline:
                     continue
             elif isinstance(msg, messages.Queued):
                 self.queued = msg
                 deadline = max(deadline, time.monotonic() + msg.wait_s + timeout_s)
+                remind_at = time.monotonic() + remind_s
+                yield self
                 continue
             break
         if isinstance(msg, messages.Accepted):
             self.slot_id, self.model = msg.slot_id, msg.model
+            self.defaults = msg.defaults
         elif isinstance(msg, (messages.NoSlot, messages.RateLimited)):
             self.lease.release(LeaseEnding.REFUSED)
         elif isinstance(msg, messages.Error):
@@ -221,3 +248,13 @@ class Job:
             self.lease.release(LeaseEnding.EOF)
         else:
             self.lease.release(LeaseEnding.REMOTE_ERROR)
+
+
+def run_steps(steps):
+    """Drive a generator of waiting steps (``Job.answer_steps``,
+    ``frontend.generation.start_job_steps``) to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value

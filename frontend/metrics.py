@@ -45,12 +45,16 @@ REQUESTS_REJECTED = Counter(
     "Requests refused before generation, by reason",
     ["reason"],
 )
+#: The ``model`` label of the series about a request's job: the model the
+#: request resolved to in the pool's catalog (``frontend.model_resolution``),
+#: never a name as the request gave it, which would let clients mint series
+#: without bound. A request resolved with no catalog (no broker answered)
+#: or in a pool with no worker yet is labelled ``model=""``.
+#:
 #: The demand an autoscaler reads (deploy/kubernetes/README.md): client
-#: requests answered 503 because no broker had a free slot, once each
-#: however many brokers were asked. ``model`` is what the refused capacity
-#: serves: this frontend's ``LLAMAPOOL_MODEL_NAME`` (the broker routes to
-#: any idle worker, so a pool is one model's capacity), never a name taken
-#: from the request, which would let clients mint series without bound.
+#: requests answered 503 because no broker had a free slot of their model,
+#: once each however many brokers were asked. The series of this
+#: frontend's ``LLAMAPOOL_MODEL_NAME`` exists from the start at 0.
 REQUESTS_REFUSED_NO_SLOT = Counter(
     "llamapool_requests_refused_no_slot_total",
     "Client requests refused with 503 because no slot was free, by model",
@@ -62,26 +66,31 @@ HTTP_RESPONSES = Counter(
 )
 TIME_TO_FIRST_TOKEN = Histogram(
     "llamapool_time_to_first_token_seconds",
-    "From request arrival to the first output frame", buckets=LATENCY_BUCKETS_S,
+    "From request arrival to the first output frame, by model", ["model"],
+    buckets=LATENCY_BUCKETS_S,
 )
 INTER_TOKEN_LATENCY = Histogram(
     "llamapool_inter_token_latency_seconds",
-    "Gap between consecutive output frames", buckets=TOKEN_GAP_BUCKETS_S,
+    "Gap between consecutive output frames, by model", ["model"],
+    buckets=TOKEN_GAP_BUCKETS_S,
 )
 REQUEST_DURATION = Histogram(
     "llamapool_request_duration_seconds",
-    "End-to-end time of generation requests", buckets=LATENCY_BUCKETS_S,
+    "End-to-end time of generation requests, by model", ["model"],
+    buckets=LATENCY_BUCKETS_S,
 )
 SLOT_HOLD = Histogram(
     "llamapool_slot_hold_seconds",
-    "How long the frontend held a slot lease", buckets=LATENCY_BUCKETS_S,
+    "How long the frontend held a slot lease, by model", ["model"],
+    buckets=LATENCY_BUCKETS_S,
 )
 LEASE_ENDINGS = Counter(
-    "llamapool_lease_endings_total", "How slot leases ended", ["ending"],
+    "llamapool_lease_endings_total", "How slot leases ended, by model",
+    ["model", "ending"],
 )
 STREAMS_OPEN = Gauge(
-    "llamapool_streams_open", "Leases currently held by this frontend host",
-    multiprocess_mode="livesum",
+    "llamapool_streams_open", "Leases currently held by this frontend host, "
+    "by model", ["model"], multiprocess_mode="livesum",
 )
 FRONTEND_MALFORMED = Counter(
     "llamapool_frontend_malformed_frames_dropped_total",

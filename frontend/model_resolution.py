@@ -19,16 +19,16 @@ order:
   the only model; with several models and no default it is 400 naming the
   field (llama-server's router: "model name is missing").
 
-The prompt gate (the frontend's ``--model``, which counts prompt tokens at
-the door) holds one vocabulary: it counts for its own model only
-(``counts_at_door``), and a request for another model is counted by its
-worker, as with no ``--model`` at all.
+The prompt gates (the frontend's ``--model`` or ``--models``, which count
+prompt tokens at the door) hold the vocabularies of some models: one counts
+for its own model only (``frontend.vocabularies``), and a request for a
+model the frontend has no vocabulary of is counted by its worker, as with no
+``--model`` at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from frontend.errors import BadRequest, PoolError, Unavailable
 from frontend.interfaces import BrokerClient
@@ -91,9 +91,6 @@ class ModelResolver:
     def __init__(self, link: BrokerClient, settings: FrontendSettings) -> None:
         self.link = link
         self.settings = settings
-        #: The names the prompt gate's vocabulary goes by in the pool.
-        self._gate_names = {n for n in (settings.model_name, os.path.basename(
-            settings.tokenizer_model)) if n}
         self._last: dict[str, ModelStatus] = {}
         #: The snapshot the catalog was built from, and the catalog: one
         #: tuple, replaced whole, since the endpoint's threads share it. A
@@ -153,13 +150,13 @@ class ModelResolver:
                 param="model")
         return next(iter(models), None)
 
-    def counts_at_door(self, model: str) -> bool:
-        """Whether the prompt gate's vocabulary is ``model``'s: in a pool of
-        one model (or none yet) always, as before; else when ``model`` is
-        the gate's by name or alias."""
-        models = self._last
-        if len(models) <= 1 or not model:
-            return True
-        entry = models.get(model)
-        names = {model, *(entry.aliases if entry is not None else ())}
-        return bool(names & self._gate_names)
+    @property
+    def seen(self) -> dict[str, ModelStatus]:
+        """The catalog the last resolution used."""
+        return self._last
+
+    def label(self, model: str) -> str:
+        """``model`` as the ``model`` label of metrics (``frontend.metrics``):
+        a name of the last catalog, else "" (never a client's own name)."""
+        return model if model in self._last else ""
+

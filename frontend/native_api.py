@@ -5,15 +5,19 @@ Who answers:
 
 * ``/completion`` and ``/infill`` are generation jobs like the OpenAI ones:
   they take a slot, through the same request pipeline
-  (``frontend.endpoint``), ``start_job`` and lease.
+  (``frontend.endpoint``), ``start_job_steps`` and lease.
 * ``/tokenize``, ``/detokenize`` and ``/apply-template`` are answered here,
   from the vocabulary the frontend loads anyway to count prompt tokens
-  (``frontend.prompt_gate``, the frontend's ``--model``). They take no slot
-  and no worker's time, and they use the very code the workers use
+  (``frontend.prompt_gate``, the frontend's ``--model``, or ``--models``
+  with one per model: ``frontend.vocabularies``). They take no slot and no
+  worker's time, and they use the very code the workers use
   (``workers.model.prompting.PromptBuilder``), so a token count or a
-  rendered template is the one a generation will see. A frontend started
-  without the model file answers them 501 naming the setting, rather than
-  sending tokenizer work to a worker between jobs.
+  rendered template is the one a generation will see. Their ``model`` is
+  resolved as a generation's is (``frontend.model_resolution``: by name or
+  alias, 404 for a name nobody serves, 400 when several models are served
+  and none is named), and its vocabulary and template answer. A frontend
+  without that model's file answers them 501 naming the setting, rather
+  than sending tokenizer work to a worker between jobs.
 * ``/props`` combines that vocabulary with the broker's ledger (pool-wide
   ``total_slots``). ``POST /props`` is refused as llama.cpp refuses it
   without ``--props``: the pool has no global property to change at run time.
@@ -34,8 +38,13 @@ from frontend.endpoint import GenerationEndpoint, Submission
 from frontend.errors import ApiError, BadRequest, ContextSizeExceeded
 from frontend.interfaces import BrokerClient
 from frontend.job import Job
-from frontend.model_resolution import ModelNotFound, catalog, resolve_in
-from frontend.native_format import NativeShaper, sampler_params
+from frontend.model_resolution import (
+    ModelNotFound,
+    ModelResolver,
+    catalog,
+    resolve_in,
+)
+from frontend.native_format import NativeShaper, default_params
 from frontend.native_schema import (
     NativeRequest,
     PromptPart,
@@ -47,7 +56,7 @@ from frontend.native_schema import (
 from frontend.prompt_gate import PromptGate
 from frontend.request_body import read_json_body
 from frontend.settings import FrontendSettings
-from protocol.payloads import Sampling
+from frontend.vocabularies import Vocabularies
 
 
 class NotSupported(ApiError):
@@ -68,6 +77,35 @@ def _builder(gate: PromptGate | None):
     if gate is None:
         raise NotSupported(NO_VOCAB)
     return gate.builder()
+
+
+class VocabularyResource:
+    """Base of the endpoints a model's vocabulary answers: the body's
+    ``model``, resolved, to its prompt gate (the module's rules)."""
+
+    def __init__(self, link: BrokerClient, settings: FrontendSettings,
+                 vocabs: Vocabularies) -> None:
+        self.settings = settings
+        self.vocabs = vocabs
+        self.models = ModelResolver(link, settings)
+
+    def gate_of(self, asked: str | None) -> PromptGate:
+        """The gate of the model ``asked`` names.
+
+        Raises:
+            ModelNotFound, Unavailable (loading), BadRequest (several models,
+            none named): as a generation's ``model``; NotSupported: this
+            frontend has no vocabulary of that model.
+        """
+        model = self.models.resolve(asked)
+        gate = (self.vocabs.gate_for(model, self.models.seen) if self.vocabs
+                else None)
+        if gate is None:
+            raise NotSupported(NO_VOCAB if not self.vocabs or not model else (
+                f"this frontend has no model file of model '{model}' to read "
+                "its vocabulary from: add it to --models FILE "
+                "(LLAMAPOOL_MODELS_FILE)"))
+        return gate
 
 
 
@@ -106,18 +144,19 @@ class NativeCompletionResource(GenerationEndpoint[NativeRequest]):
     """``POST /completion`` and ``POST /infill``."""
 
     def __init__(self, link: BrokerClient, settings: FrontendSettings,
-                 gate: PromptGate | None, infill: bool = False) -> None:
-        super().__init__(link, settings, gate)
+                 vocabs: Vocabularies, infill: bool = False) -> None:
+        super().__init__(link, settings, vocabs)
         self.infill = infill
 
     def _settle_prompt(self, parsed: NativeRequest, body: dict
                        ) -> tuple[NativeRequest, int, str]:
         """The request with its prompt in the form the worker takes, the
         prompt's token count (0: the worker counts) and its text."""
-        n_ctx = self.settings.n_ctx
         generation = parsed.generation
-        # None for another model than the gate's: its worker counts.
+        # None for a model this frontend has no vocabulary of: its worker
+        # counts.
         gate = self.door_gate(generation)
+        n_ctx = gate.n_ctx if gate is not None else self.settings.n_ctx
         prompt = parsed.prompt
         if self.infill:
             tokens = self._infill_tokens(parsed, body, gate)
@@ -164,7 +203,7 @@ class NativeCompletionResource(GenerationEndpoint[NativeRequest]):
             return model_code.infill_tokens(
                 builder, given.prefix, given.suffix, parsed.prompt,
                 [model_code.ExtraChunk(text, name) for text, name in given.extra],
-                limit=self.settings.n_ctx)
+                limit=gate.n_ctx)
         except model_code.NoFimTokens as exc:
             raise BadRequest(str(exc), param="model",
                              code="infill_not_supported") from None
@@ -186,7 +225,9 @@ class NativeCompletionResource(GenerationEndpoint[NativeRequest]):
                job: Job) -> NativeShaper:
         parsed = submission.parsed
         return NativeShaper(
-            generation=submission.generation,
+            # As the worker ran it: its defaults for what the client left out.
+            generation=(job.defaults.fill(submission.generation)
+                        if job.defaults else submission.generation),
             model=self.model_name(job, parsed.model),
             id_slot=job.slot_id if job.slot_id is not None else -1,
             n_prompt=submission.n_prompt, prompt_text=submission.prompt_text,
@@ -195,17 +236,14 @@ class NativeCompletionResource(GenerationEndpoint[NativeRequest]):
             response_fields=parsed.response_fields)
 
 
-class TokenizeResource:
+class TokenizeResource(VocabularyResource):
     """``POST /tokenize``: ``{"tokens": [...]}``, ids or ``{id, piece}``."""
-
-    def __init__(self, settings: FrontendSettings, gate: PromptGate | None) -> None:
-        self.settings = settings
-        self.gate = gate
 
     def on_post(self, req, resp) -> None:
         body = read_json_body(req, self.settings.max_body_bytes)
         parsed = parse_tokenize(body)
-        builder = _builder(self.gate)
+        gate = self.gate_of(parsed.model)
+        builder = gate.builder()
         # Bounded as a prompt is (issue 29): at most a context of tokens, so
         # a text is refused by its size before any tokenising, or as soon as
         # its pieces fill the context. Bounded by the body alone (1 MiB of
@@ -213,8 +251,9 @@ class TokenizeResource:
         tokens = tokenize_parts(builder, parsed.content,
                                 add_special=parsed.add_special,
                                 parse_special=parsed.parse_special,
-                                limit=self.settings.n_ctx + 1, where="content",
-                                too_long=self._too_long)
+                                limit=gate.n_ctx + 1, where="content",
+                                too_long=lambda exc, where: self._too_long(
+                                    exc, where, gate.n_ctx))
         if not parsed.with_pieces:
             resp.media = {"tokens": tokens}
             return
@@ -227,24 +266,21 @@ class TokenizeResource:
             out.append({"id": token, "piece": shown})
         resp.media = {"tokens": out}
 
-    def _too_long(self, exc, where: str) -> ContextSizeExceeded:
-        n_ctx = self.settings.n_ctx
+    @staticmethod
+    def _too_long(exc, where: str, n_ctx: int) -> ContextSizeExceeded:
         count = exc.at_least if exc.exact else f"at least {exc.at_least}"
         return ContextSizeExceeded(
             f"'{where}' is {count} tokens; /tokenize counts at most {n_ctx}, "
             "the context size (--ctx)", exc.at_least, n_ctx, param=where)
 
 
-class DetokenizeResource:
+class DetokenizeResource(VocabularyResource):
     """``POST /detokenize``: ``{"content": "..."}``."""
 
-    def __init__(self, settings: FrontendSettings, gate: PromptGate | None) -> None:
-        self.settings = settings
-        self.gate = gate
-
     def on_post(self, req, resp) -> None:
-        tokens = parse_detokenize(read_json_body(req, self.settings.max_body_bytes))
-        builder = _builder(self.gate)
+        parsed = parse_detokenize(read_json_body(req, self.settings.max_body_bytes))
+        tokens = parsed.tokens
+        builder = self.gate_of(parsed.model).builder()
         bad = next((t for t in tokens if not builder.valid_token(t)), None)
         if bad is not None:
             raise BadRequest(f"'tokens': token {bad} is out of the vocabulary",
@@ -253,19 +289,16 @@ class DetokenizeResource:
         resp.media = {"content": text}
 
 
-class ApplyTemplateResource:
+class ApplyTemplateResource(VocabularyResource):
     """``POST /apply-template``: ``{"prompt": ...}``, the chat prompt the chat
-    endpoint would generate from, rendered by the same code."""
-
-    def __init__(self, settings: FrontendSettings, gate: PromptGate | None) -> None:
-        self.settings = settings
-        self.gate = gate
+    endpoint would generate from, rendered by the same code (the named
+    model's template)."""
 
     def on_post(self, req, resp) -> None:
         body = read_json_body(req, self.settings.max_body_bytes)
         # The whole chat body is checked as the chat endpoint checks it.
         parsed = openai_schema.parse_chat(body)
-        builder = _builder(self.gate)
+        builder = self.gate_of(parsed.model).builder()
         generation = parsed.generation
         try:
             # With the tools, as the chat endpoint renders them (and refuses
@@ -297,10 +330,10 @@ class PropsResource:
     """``GET /props`` (public fields of the pool) and ``POST /props`` (refused)."""
 
     def __init__(self, link: BrokerClient, settings: FrontendSettings,
-                 gate: PromptGate | None) -> None:
+                 vocabs: Vocabularies) -> None:
         self.link = link
         self.settings = settings
-        self.gate = gate
+        self.vocabs = vocabs
 
     def on_get(self, req, resp) -> None:
         s = self.settings
@@ -318,14 +351,20 @@ class PropsResource:
                                                                   "failed"))
         n_ctx = slots[0].n_ctx if slots else s.n_ctx
         template = bos = eos = ""
-        if self.gate is not None:
-            builder = self.gate.builder()
+        # The vocabulary of the model asked for (or of the one model).
+        gate = self.vocabs.gate_for(slots[0].model if asked and slots else "",
+                                    catalog(status)) if self.vocabs else None
+        if gate is not None:
+            builder = gate.builder()
             template = builder.llama.metadata.get("tokenizer.chat_template", "")
             bos = builder.special_text(builder.llama.token_bos())
             eos = builder.special_text(builder.llama.token_eos())
         resp.media = {
             "default_generation_settings": {
-                "params": sampler_params(Sampling(), None, stream=False, n_probs=0),
+                # The model's workers' own defaults where they have some.
+                "params": default_params(next(
+                    (slot.defaults for slot in slots if slot.defaults
+                     and slot.state not in ("loading", "failed")), None)),
                 "n_ctx": n_ctx,
             },
             # Pool-wide, from the broker's ledger (None: broker unreachable).
@@ -334,7 +373,7 @@ class PropsResource:
             # The file's name only: its directory says nothing a client
             # needs, and tells any reader (a web page, before issue 29)
             # about the host's file system.
-            "model_path": os.path.basename(s.tokenizer_model),
+            "model_path": os.path.basename(gate.model_path) if gate else "",
             "modalities": {"vision": False, "audio": False, "video": False},
             "endpoint_slots": True,
             "endpoint_props": False,
@@ -354,13 +393,13 @@ class PropsResource:
 
 
 def add_native_routes(app: falcon.App, link: BrokerClient,
-                      settings: FrontendSettings, gate: PromptGate | None) -> None:
+                      settings: FrontendSettings, vocabs: Vocabularies) -> None:
     """Route llama.cpp's native endpoints. ``/completions`` (plural) stays
     OpenAI's (``frontend.app``): see docs/llama-cpp-compatibility.md."""
-    app.add_route("/completion", NativeCompletionResource(link, settings, gate))
-    app.add_route("/infill", NativeCompletionResource(link, settings, gate,
+    app.add_route("/completion", NativeCompletionResource(link, settings, vocabs))
+    app.add_route("/infill", NativeCompletionResource(link, settings, vocabs,
                                                       infill=True))
-    app.add_route("/tokenize", TokenizeResource(settings, gate))
-    app.add_route("/detokenize", DetokenizeResource(settings, gate))
-    app.add_route("/apply-template", ApplyTemplateResource(settings, gate))
-    app.add_route("/props", PropsResource(link, settings, gate))
+    app.add_route("/tokenize", TokenizeResource(link, settings, vocabs))
+    app.add_route("/detokenize", DetokenizeResource(link, settings, vocabs))
+    app.add_route("/apply-template", ApplyTemplateResource(link, settings, vocabs))
+    app.add_route("/props", PropsResource(link, settings, vocabs))

@@ -17,7 +17,13 @@ import json
 
 from frontend.openai_format import ResponseShaper
 from protocol import messages
-from protocol.payloads import GenerationRequest, Sampling, Timings, TokenLogprob
+from protocol.payloads import (
+    GenerationRequest,
+    RequestDefaults,
+    Sampling,
+    Timings,
+    TokenLogprob,
+)
 
 #: llama.cpp's seed for "a fresh random seed" (``LLAMA_DEFAULT_SEED``).
 RANDOM_SEED = 0xFFFFFFFF
@@ -55,6 +61,15 @@ def sampler_params(sampling: Sampling, n_predict: int | None, *, stream: bool,
         "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
         "timings_per_token": False, "post_sampling_probs": False,
     }
+
+
+def default_params(defaults: RequestDefaults | None) -> dict:
+    """``/props``' ``default_generation_settings.params``: the pool's
+    defaults, with the model worker's own (``--temp``, ``--n-predict``, ...)
+    where it has them, as a request that leaves them out is run."""
+    defaults = defaults or RequestDefaults()
+    return sampler_params(defaults.sampling(Sampling()), defaults.budget(None),
+                          stream=False, n_probs=0)
 
 
 def native_timings(timings: Timings, cached_tokens: int) -> dict:

@@ -101,6 +101,7 @@ def parse_completion(body: Any, infill: bool = False) -> NativeRequest:
         cache_prompt=bool(fields.flag("cache_prompt", True)),
         timings_per_token=request_fields.timings_per_token(fields, stream),
         cache_tenant=request_fields.cache_salt(fields),
+        defaulted=request_fields.left_out(fields, ("max_tokens",)),
     )
     request_fields.check_stops_with_logprobs(generation)
     parsed = NativeRequest(
@@ -178,6 +179,14 @@ class TokenizeRequest:
     add_special: bool
     parse_special: bool
     with_pieces: bool
+    #: Whose vocabulary (a pool of several models: ``frontend.native_api``).
+    model: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DetokenizeRequest:
+    tokens: list[int]
+    model: str | None = None
 
 
 def parse_tokenize(body: Any) -> TokenizeRequest:
@@ -186,16 +195,18 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
     parsed = TokenizeRequest(prompt_parts(fields.get("content"), "content"),
                              fields.flag("add_special", False),
                              fields.flag("parse_special", True),
-                             fields.flag("with_pieces", False))
+                             fields.flag("with_pieces", False),
+                             request_fields.model(fields))
     fields.finish(field_policy.DEFAULT)
     return parsed
 
 
-def parse_detokenize(body: Any) -> list[int]:
+def parse_detokenize(body: Any) -> DetokenizeRequest:
     """``POST /detokenize``: the token ids (range-checked by the caller)."""
     fields = RequestFields(body)
     tokens = fields.get("tokens") or []
     if not isinstance(tokens, list):
         raise BadRequest("'tokens' must be a list of token ids", param="tokens")
+    model = request_fields.model(fields)
     fields.finish(field_policy.DEFAULT)
-    return [_token_id(t, "tokens") for t in tokens]
+    return DetokenizeRequest([_token_id(t, "tokens") for t in tokens], model)

@@ -17,11 +17,11 @@ import json
 from typing import Any
 
 from frontend import field_policy, request_fields
+from frontend.chat_continuation import continuation
 from frontend.errors import BadRequest
 from frontend.output_constraints import grammar_of
 from frontend.reasoning import reasoning_format, template_kwargs
 from frontend.request_fields import RequestFields, top_count
-from frontend.chat_continuation import continuation
 from frontend.tool_calls import history_calls, tool_request
 from protocol.payloads import (
     CHAT,
@@ -108,6 +108,7 @@ def parse_completion(body: Any) -> ParsedRequest:
         stop=request_fields.stop(fields),
         grammar=grammar_of(fields),
         logprobs=_completion_logprobs(fields),
+        defaulted=request_fields.left_out(fields),
         timings_per_token=request_fields.timings_per_token(fields, stream),
         cache_tenant=request_fields.cache_salt(fields),
     )
@@ -206,6 +207,7 @@ def parse_chat(body: Any) -> ParsedRequest:
         force_call=tools.force,
         add_generation_prompt=add_generation_prompt,
         continue_final=continue_final,
+        defaulted=request_fields.left_out(fields),
     )
     request_fields.check_stops_with_logprobs(generation)
     model = request_fields.model(fields)

@@ -28,6 +28,7 @@ import dataclasses
 from protocol.payloads import (
     HistogramSnapshot,
     ModelStatus,
+    ModelTotals,
     PoolStatus,
     PoolTotals,
     SlotStatus,
@@ -116,7 +117,8 @@ def merge_models(per_broker: list[list[ModelStatus]]) -> list[ModelStatus]:
                 slots_total=seen.slots_total + m.slots_total,
                 slots_idle=seen.slots_idle + m.slots_idle,
                 slots_busy=seen.slots_busy + m.slots_busy,
-                slots_loading=seen.slots_loading + m.slots_loading)
+                slots_loading=seen.slots_loading + m.slots_loading,
+                jobs_waiting=seen.jobs_waiting + m.jobs_waiting)
     return list(merged.values())
 
 
@@ -132,12 +134,35 @@ def _sum_totals(totals: list[PoolTotals]) -> PoolTotals:
         field.name: (max if field.name in _MAX_TOTALS else sum)(
             getattr(t, field.name) for t in totals)
         for field in dataclasses.fields(PoolTotals)
-        if field.name not in ("cancel_release_s", "queue_wait_s")
+        if field.name not in ("cancel_release_s", "queue_wait_s", "models")
     }
     waits = [t.queue_wait_s for t in totals if t.queue_wait_s is not None]
     return PoolTotals(**merged, cancel_release_s=_sum_histograms(
         [t.cancel_release_s for t in totals]),
-        queue_wait_s=_sum_histograms(waits) if waits else None)
+        queue_wait_s=_sum_histograms(waits) if waits else None,
+        models=_sum_model_totals([m for t in totals for m in t.models]))
+
+
+def _sum_model_totals(shares: list[ModelTotals]) -> list[ModelTotals]:
+    """Each model's totals summed over the brokers (a model served through
+    two brokers counts the jobs of both), by name."""
+    by_name: dict[str, list[ModelTotals]] = {}
+    for share in shares:
+        by_name.setdefault(share.name, []).append(share)
+    out = []
+    for name, group in sorted(by_name.items()):
+        merged = {
+            field.name: (max if field.name == "n_tokens_max" else sum)(
+                getattr(m, field.name) for m in group)
+            for field in dataclasses.fields(ModelTotals)
+            if field.name not in ("name", "cancel_release_s", "queue_wait_s")}
+        hists = {}
+        for field in ("cancel_release_s", "queue_wait_s"):
+            present = [getattr(m, field) for m in group
+                       if getattr(m, field) is not None]
+            hists[field] = _sum_histograms(present) if present else None
+        out.append(ModelTotals(name=name, **merged, **hists))
+    return out
 
 
 def _sum_histograms(hists: list[HistogramSnapshot]) -> HistogramSnapshot:

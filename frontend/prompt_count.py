@@ -28,10 +28,10 @@ from frontend.generation import collect
 from frontend.interfaces import BrokerClient
 from frontend.job import Job
 from frontend.native_api import NO_VOCAB, NotSupported
-from frontend.prompt_gate import PromptGate
 from frontend.reasoning import with_thinking
 from frontend.request_body import read_json_body
 from frontend.settings import FrontendSettings
+from frontend.vocabularies import Vocabularies
 from protocol.payloads import GenerationRequest
 
 
@@ -49,7 +49,7 @@ class PromptCountResource(JobEndpoint[CountRequest]):
 
     Args:
         settings: the frontend's (the body's size limit).
-        gate: the prompt gate, or None (then a worker counts).
+        vocabs: the frontend's vocabularies, or None (then a worker counts).
         parse: the API's counting parser (400 naming a bad field): the
             prompt's job, and the API's thinking switch (None: not given).
         answer: the API's answer for a count of ``n`` tokens.
@@ -57,24 +57,25 @@ class PromptCountResource(JobEndpoint[CountRequest]):
             (None: 501 naming the setting).
     """
 
-    def __init__(self, settings: FrontendSettings, gate: PromptGate | None,
+    def __init__(self, settings: FrontendSettings, vocabs: Vocabularies | None,
                  parse: Callable[[Any], tuple[GenerationRequest, bool | None]],
                  answer: Callable[[int], dict],
                  link: BrokerClient | None = None) -> None:
-        super().__init__(link, settings, gate)
+        super().__init__(link, settings, vocabs)
         self.parse_count = parse
         self.answer = answer
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json_body(req, self.settings.max_body_bytes)
-        if self.gate is not None:
+        if self.vocabs:
             generation, thinking = self.parse_count(body)
-            # The gate holds one model's vocabulary: another model's prompt
-            # is counted by a worker of that model (an unknown one is 404).
-            if self.link is None or self.models.counts_at_door(
-                    self.models.resolve(_asked_model(body))):
-                counted = self.gate.check(with_thinking(self.gate, generation,
-                                                        thinking))
+            # The named model's vocabulary (an unknown model is 404); a
+            # model the frontend has none of is counted by its worker.
+            model = (self.models.resolve(_asked_model(body))
+                     if self.link is not None else "")
+            gate = self.door_gate(dataclasses.replace(generation, model=model))
+            if gate is not None:
+                counted = gate.check(with_thinking(gate, generation, thinking))
                 resp.media = self.answer(len(counted.prompt_tokens))
                 return
         if self.link is None:
@@ -120,10 +121,10 @@ def chat_input_tokens(n: int) -> dict:
 
 
 def add_chat_count_routes(app, link: BrokerClient, settings: FrontendSettings,
-                          gate: PromptGate | None) -> None:
+                          vocabs: Vocabularies | None) -> None:
     """``POST /v1/chat/completions/input_tokens`` and
     ``/chat/completions/input_tokens`` (llama-server's paths)."""
-    resource = PromptCountResource(settings, gate, _chat_count, chat_input_tokens,
+    resource = PromptCountResource(settings, vocabs, _chat_count, chat_input_tokens,
                                    link)
     for prefix in ("/v1", ""):
         app.add_route(f"{prefix}/chat/completions/input_tokens", resource)

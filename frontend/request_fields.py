@@ -24,7 +24,13 @@ from typing import Any
 from frontend.errors import BadRequest
 from frontend.field_policy import FieldPolicy, check_unread
 from protocol.limits import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_CHARS_WITH_LOGPROBS
-from protocol.payloads import MAX_TOP_LOGPROBS, GenerationRequest, LogitBias, Sampling
+from protocol.payloads import (
+    DEFAULTED_SAMPLERS,
+    MAX_TOP_LOGPROBS,
+    GenerationRequest,
+    LogitBias,
+    Sampling,
+)
 
 #: Most stop strings per request (OpenAI allows 4; llama.cpp has no limit).
 MAX_STOP_STRINGS = 16
@@ -52,6 +58,11 @@ class RequestFields:
     def __contains__(self, name: str) -> bool:
         """Whether the client sent it (a presence test reads nothing)."""
         return name in self._body
+
+    def sent(self, name: str) -> Any:
+        """The client's value, or None (absent or null); reads nothing: a
+        reader of its own must still read the field."""
+        return self._body.get(name)
 
     def defer(self, *names: str) -> None:
         """These are read by a later step of the same request (which names
@@ -183,6 +194,23 @@ def max_tokens(fields: RequestFields,
     if value is not None and value < 0:
         raise BadRequest(f"'{param}' must be >= 0, got {value}", param=param)
     return value
+
+
+def left_out(fields: RequestFields,
+             budget: tuple[str, ...] | None = ("max_completion_tokens",
+                                               "max_tokens")) -> list[str]:
+    """The fields a model worker's own defaults fill (``--temp``,
+    ``--n-predict``, ...; ``GenerationRequest.defaulted``): each sampler the
+    client left out (absent or null), and the token budget when it named
+    none of ``budget`` nor ``n_predict`` (None: the endpoint requires one).
+    ``n_predict: -1`` counts as none, as in llama-server, whose ``-n`` a
+    request's -1 does not override."""
+    sent = fields.sent
+    names = [name for name in DEFAULTED_SAMPLERS if sent(name) is None]
+    if budget is not None and all(sent(name) is None for name in budget) and (
+            sent("n_predict") in (None, -1)):
+        names.insert(0, "max_tokens")
+    return names
 
 
 def top_count(fields: RequestFields, name: str) -> int | None:

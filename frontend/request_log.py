@@ -37,6 +37,9 @@ class RequestRecord:
         self.started_at = time.monotonic()
         self.status: int | None = None
         self.slot_id: int | None = None
+        #: The ``model`` label of its job's series (``frontend.metrics``):
+        #: the pool's name for the model, set before the job is submitted.
+        self.model = ""
         self.stream = False
         self.lease: SlotLease | None = None
         self.outcome: JobOutcome | None = None
@@ -52,15 +55,16 @@ class RequestRecord:
         with self._lock:
             self._parts_left += 1
         self.outcome = JobOutcome()
-        metrics.STREAMS_OPEN.inc()
+        metrics.STREAMS_OPEN.labels(self.model).inc()
         return self.outcome
 
     def lease_released(self, lease: SlotLease) -> None:
         """The lease's ``on_release`` hook; runs exactly once per lease."""
         self.lease = lease
-        metrics.STREAMS_OPEN.dec()
-        metrics.LEASE_ENDINGS.labels(lease.ending.value).inc()
-        metrics.SLOT_HOLD.observe(lease.released_at - lease.taken_at)
+        metrics.STREAMS_OPEN.labels(self.model).dec()
+        metrics.LEASE_ENDINGS.labels(self.model, lease.ending.value).inc()
+        metrics.SLOT_HOLD.labels(self.model).observe(
+            lease.released_at - lease.taken_at)
         self._part_done()
 
     def response_done(self, status: int) -> None:
@@ -98,10 +102,11 @@ class RequestRecord:
             if o.first_token_at is not None:
                 ttft = o.first_token_at - o.started_at
                 fields["ttft_ms"] = round(ttft * 1000, 2)
-                metrics.TIME_TO_FIRST_TOKEN.observe(ttft)
+                metrics.TIME_TO_FIRST_TOKEN.labels(self.model).observe(ttft)
+            gaps = metrics.INTER_TOKEN_LATENCY.labels(self.model)
             for gap in o.inter_token_s:
-                metrics.INTER_TOKEN_LATENCY.observe(gap)
-            metrics.REQUEST_DURATION.observe(duration_s)
+                gaps.observe(gap)
+            metrics.REQUEST_DURATION.labels(self.model).observe(duration_s)
         log.info(" ".join(f"{k}={v}" for k, v in fields.items() if v is not None),
                  extra=fields)
         if self.trace is not None:

@@ -18,7 +18,6 @@ from frontend.endpoint import GenerationEndpoint, Submission
 from frontend.interfaces import BrokerClient
 from frontend.job import Job
 from frontend.prompt_count import PromptCountResource
-from frontend.prompt_gate import PromptGate
 from frontend.reasoning import reasoning_split, with_thinking
 from frontend.responses_format import ResponsesShaper
 from frontend.responses_schema import (
@@ -27,6 +26,7 @@ from frontend.responses_schema import (
     parse_responses,
 )
 from frontend.settings import FrontendSettings
+from frontend.vocabularies import Vocabularies
 
 
 class ResponsesResource(GenerationEndpoint[ResponsesRequest]):
@@ -37,7 +37,8 @@ class ResponsesResource(GenerationEndpoint[ResponsesRequest]):
 
     def admit(self, parsed: ResponsesRequest, body: Any
               ) -> Submission[ResponsesRequest]:
-        generation = with_thinking(self.gate, parsed.generation, parsed.thinking)
+        generation = with_thinking(self.door_gate(parsed.generation),
+                                   parsed.generation, parsed.thinking)
         return Submission(parsed, self.gated(generation), stream=parsed.stream)
 
     def shaper(self, req: falcon.Request,
@@ -47,13 +48,14 @@ class ResponsesResource(GenerationEndpoint[ResponsesRequest]):
         return ResponsesShaper(
             req.context.request_id, self.model_name(job, parsed.model),
             parsed.echo, tools=parsed.tools, single_call=parsed.single_call,
-            reasoning=reasoning_split(self.gate, submission.generation))
+            reasoning=reasoning_split(self.door_gate(submission.generation),
+                                      submission.generation))
 
 
 def add_responses_routes(app: falcon.App, link: BrokerClient,
-                         settings: FrontendSettings, gate: PromptGate | None
+                         settings: FrontendSettings, vocabs: Vocabularies
                          ) -> None:
-    app.add_route("/v1/responses", ResponsesResource(link, settings, gate))
+    app.add_route("/v1/responses", ResponsesResource(link, settings, vocabs))
     app.add_route("/v1/responses/input_tokens", PromptCountResource(
-        settings, gate, parse_input_tokens,
+        settings, vocabs, parse_input_tokens,
         lambda n: {"object": "response.input_tokens", "input_tokens": n}, link))

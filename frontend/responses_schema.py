@@ -362,6 +362,7 @@ def parse_responses(body: Any) -> ResponsesRequest:
         grammar=grammar,
         tools=json.dumps(tools.tools) if tools.active else "",
         force_call=tools.force,
+        defaulted=request_fields.left_out(fields, ("max_output_tokens",)),
     )
     stream = request_fields.stream(fields)
     model = request_fields.model(fields)

@@ -21,6 +21,7 @@ Every default is documented in this one place.
 | LLAMAPOOL_DEFAULT_MODEL        | (the only one) | model of requests naming none     |
 | LLAMAPOOL_CREDIT_BATCH_FRAMES  | 64             | frames read per credit return     |
 | LLAMAPOOL_TOKENIZER_MODEL      | (none)         | GGUF to count prompt tokens       |
+| LLAMAPOOL_MODELS_FILE          | (none)         | GGUFs to count, one per model     |
 | LLAMAPOOL_CHAT_FORMAT          | (template)     | same as the workers' format       |
 | LLAMAPOOL_CHAT_TEMPLATE        | (none)         | llama.cpp template name, or Jinja |
 | LLAMAPOOL_CHAT_TEMPLATE_FILE   | (none)         | Jinja chat template file          |
@@ -134,6 +135,17 @@ class FrontendSettings:
         "", "LLAMAPOOL_TOKENIZER_MODEL", "GGUF to count prompt tokens",
         flag="--model",
         help="GGUF to count prompt tokens at the door (vocab only)")
+    #: A pool of several models: ``up --models``'s file, whose tables give
+    #: each model's GGUF (vocabulary only), aliases, ``ctx`` and
+    #: ``chat_format``; the frontend counts prompts and answers /tokenize,
+    #: /detokenize and /apply-template per model (``frontend.vocabularies``).
+    models_file: str = setting(
+        "", "LLAMAPOOL_MODELS_FILE", "GGUFs to count, one per model",
+        flag="--models",
+        help="the models file (TOML, as 'llamapool up --models'): each "
+             "model's vocabulary is loaded to count its prompt tokens and "
+             "answer /tokenize, /detokenize, /apply-template (instead of "
+             "--model)")
     chat_format: str | None = setting(
         None, "LLAMAPOOL_CHAT_FORMAT", "same as the workers' format",
         shown="(template)",
@@ -230,6 +242,9 @@ class FrontendSettings:
 
     def __post_init__(self) -> None:
         split_endpoints(self.broker_endpoint)  # ConfigError if empty or repeated
+        if self.tokenizer_model and self.models_file:
+            raise ConfigError("give LLAMAPOOL_TOKENIZER_MODEL (--model) or "
+                              "LLAMAPOOL_MODELS_FILE (--models), not both")
         # At most one of the chat template settings.
         checked_chat_choice(self.chat_format, self.chat_template,
                             self.chat_template_file)

@@ -92,8 +92,15 @@ def stream_answer(req: falcon.Request, resp: falcon.Response, job: Job,
                   shaper: Shaper, sndbuf_bytes: int) -> None:
     """Answer with the job's events; from here on the body owns the job, and
     with it the lease."""
+    stream_body(req, resp, EventStreamBody(job, shaper), sndbuf_bytes)
+
+
+def stream_body(req: falcon.Request, resp: falcon.Response, body,
+                sndbuf_bytes: int) -> None:
+    """Answer with an SSE body (an iterable of events that owns its job:
+    ``EventStreamBody``, ``frontend.queued_stream.QueuedStreamBody``)."""
     tune_stream_socket(req, sndbuf_bytes)
     resp.content_type = "text/event-stream"
     resp.set_header("Cache-Control", "no-cache")
     resp.set_header("X-Accel-Buffering", "no")
-    resp.stream = EventStreamBody(job, shaper)
+    resp.stream = body

@@ -193,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--quant", choices=TEST_MODEL_QUANTS, default="f32",
                        help="the layers' weight type: q8_0 and q4_0 take "
                             "llama.cpp's quantized (repacked, AMX) kernels")
+    model.add_argument("--reranker", nargs="?", const="template", default=None,
+                       choices=("template", "plain"),
+                       help="write a tiny reranker instead (pooling rank): "
+                            "with a rerank template, or plain (BOS query doc)")
     report = sub.add_parser(
         "exit-report",
         help="a systemd unit's ExecStopPost: log how its process ended",
@@ -285,6 +289,8 @@ def run_worker(args: argparse.Namespace) -> int:
                               notifier=sd_notify.Notifier())
     except CurveKeyError as exc:
         return _fail(log, ExitCode.CURVE_KEYS, "%s", exc)
+    except ConfigError as exc:  # e.g. a --slot-save-path it cannot create
+        return _fail(log, ExitCode.USAGE, "%s", exc)
     stop = StopFlag().install()
     if settings.metrics_port:
         from workers.model.metrics import serve_worker_metrics
@@ -310,6 +316,7 @@ def run_frontend(args: argparse.Namespace) -> int:
     from frontend.cors import bind_name
     from frontend.key_records import KeysFileError, read_keys_file
     from frontend.settings import read_key_file
+    from frontend.vocabularies import Vocabularies
     from llamapool.serve import exec_gunicorn
 
     log = logging.getLogger("llamapool.frontend")
@@ -320,6 +327,7 @@ def run_frontend(args: argparse.Namespace) -> int:
             keys += read_key_file(settings.api_key_file)
         # Fail here, once, naming the entry, not in every gunicorn worker.
         named = read_keys_file(settings.keys_file) if settings.keys_file else ()
+        Vocabularies(settings)  # the models file's tables (loads nothing)
     except (ConfigError, OSError, KeysFileError, UnicodeDecodeError) as exc:
         return _fail(log, ExitCode.USAGE, "%s", exc)
     if named:
@@ -346,6 +354,7 @@ def run_frontend(args: argparse.Namespace) -> int:
         else (*settings.allowed_hosts, bind_host),
         api_key_file=_absolute(settings.api_key_file),
         keys_file=_absolute(settings.keys_file),
+        models_file=_absolute(settings.models_file),
         curve_server_key=_absolute(settings.curve_server_key),
         curve_secret_key=_absolute(settings.curve_secret_key),
     )
@@ -365,6 +374,17 @@ def run_make_test_model(args: argparse.Namespace) -> int:
     from llamapool.test_model import write_test_model
 
     try:
+        if args.reranker:
+            from llamapool.test_reranker import write_test_reranker
+
+            if args.tools_template or args.tool_format or args.fim:
+                print("make-test-model: --reranker takes only --quant",
+                      file=sys.stderr)
+                return ExitCode.USAGE
+            write_test_reranker(args.path, quant=args.quant,
+                                rerank_template=args.reranker == "template")
+            print(args.path)
+            return ExitCode.OK
         from llamapool.test_model import (
             TOOL_FORMAT_CONTROL_PIECES,
             TOOL_FORMAT_TEMPLATES,

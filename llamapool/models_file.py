@@ -18,6 +18,9 @@ in the pool (what requests give as ``model``)::
     cache_ram = 1024
     gpu_layers = 0
     repack = "auto"
+    temp = 0.2              # defaults for what a request leaves out:
+    n_predict = 512         # n_predict, seed, temp, top_k, top_p, min_p and
+                            # the repeat, presence and frequency penalties
 
 Every key but ``path`` is optional: ``workers`` falls back to ``up``'s
 ``--workers``, the others to ``up``'s own flags (and then to the workers'
@@ -33,9 +36,8 @@ import argparse
 import dataclasses
 import os
 
-import tomllib
-
 from protocol import limits
+from protocol.models_tables import read_model_tables
 from protocol.settings import ConfigError, load
 from workers.model.settings import WorkerSettings
 
@@ -47,6 +49,16 @@ WORKER_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "cache_ram": ("cache_ram_mib", (int,)),
     "gpu_layers": ("gpu_layers", (int,)),
     "repack": ("repack", (str,)),
+    # Defaults for what a request leaves out (llama-server's -n, --temp, ...).
+    "n_predict": ("n_predict", (int,)),
+    "seed": ("seed", (int,)),
+    "temp": ("temperature", (int, float)),
+    "top_k": ("top_k", (int,)),
+    "top_p": ("top_p", (int, float)),
+    "min_p": ("min_p", (int, float)),
+    "repeat_penalty": ("repeat_penalty", (int, float)),
+    "presence_penalty": ("presence_penalty", (int, float)),
+    "frequency_penalty": ("frequency_penalty", (int, float)),
 }
 OTHER_KEYS = {"path": (str,), "aliases": (list,), "workers": (int,),
               "default": (bool,)}
@@ -71,15 +83,7 @@ def load_models_file(path: str, default_workers: int) -> list[ModelSpec]:
     Raises:
         ConfigError: naming the file, and the model where one is at fault.
     """
-    try:
-        with open(path, "rb") as f:
-            tables = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError(f"models file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"models file {path}: not TOML: {exc}") from None
-    if not tables:
-        raise ConfigError(f"models file {path}: no model tables")
+    tables = read_model_tables(path)
     specs = [_spec(path, name, table, default_workers)
              for name, table in tables.items()]
     _check_pool(path, specs)

@@ -75,16 +75,19 @@ def _env_port(variable: str) -> int:
 
 
 def read_metrics(host: str, port: int, timeout_s: float) -> dict[str, float]:
-    """The unlabelled samples of ``http://host:port/metrics``, by name."""
+    """The samples of ``http://host:port/metrics`` by name, each summed over
+    its labels (``llamapool_slots_registered`` has one sample per model)."""
     url = f"http://{host}:{port}/metrics"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as answer:
             text = answer.read().decode()
     except (OSError, urllib.error.URLError) as exc:
         raise ProbeFailed(f"{url}: {exc}") from None
-    return {sample.name: sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples if not sample.labels}
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
 
 
 def _beat_fresh(values: dict[str, float], name: str, max_age_s: float) -> float:

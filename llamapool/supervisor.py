@@ -48,9 +48,14 @@ log = logging.getLogger("llamapool.up")
 UP_WORKER_FLAGS = ("n_threads", "pool_cores", "model_name", "aliases",
                    "embedding_batch_tokens",
                    "cache_ram_mib", "gpu_layers", "flash_attn", "repack", "n_ctx",
+                   "slot_save_path",
                    "chat_format", "chat_template", "chat_template_file",
                    "heartbeat_interval_s", "heartbeat_liveness",
-                   "cancel_timeout_s")
+                   "cancel_timeout_s",
+                   # llama-server's request defaults (workers.model.settings)
+                   "n_predict", "seed", "temperature", "top_k", "top_p",
+                   "min_p", "repeat_penalty", "presence_penalty",
+                   "frequency_penalty")
 #: ... and those it hands to the frontend (its own --api-key and
 #: --api-key-file among them) and to the broker.
 UP_FRONTEND_FLAGS = ("api_keys", "api_key_file", "keys_file", "n_ctx", "chat_format",
@@ -293,6 +298,17 @@ def _worker_children(args, specs, base_argv: list[str], model: str,
             for i, (name, argv) in enumerate(plan)]
 
 
+def _default_threads(args: argparse.Namespace, specs) -> str | int:
+    """``up``'s ``--threads`` when none is given. A lone stream gets the whole
+    host and busy workers share it (``auto``): as fast as the fixed split or
+    faster at every concurrency measured, on both CPU kinds (BENCHMARKS.md).
+    A batched worker's context serves all its slots: a fixed split."""
+    if getattr(args, "slots_per_worker", 1) <= 1:
+        return "auto"
+    n_workers = sum(s.workers for s in specs) if specs else args.workers
+    return max(1, (os.cpu_count() or 1) // n_workers)
+
+
 def run_up(args: argparse.Namespace) -> int:
     try:
         specs = _model_specs(args)
@@ -300,8 +316,8 @@ def run_up(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return ExitCode.USAGE
     stop = StopFlag().install()
-    # With a models file the frontend counts prompts for the first model
-    # (its vocabulary), and the workers count every other model's.
+    # With a models file the frontend reads it too: each model's vocabulary
+    # counts its prompts (``frontend.vocabularies``).
     model = specs[0].path if specs else args.model or default_model_path()
     # The default model is a base model without a usable template: use the
     # gemma turn format for chat.
@@ -310,8 +326,7 @@ def run_up(args: argparse.Namespace) -> int:
             and not getattr(args, "chat_template_file", None)):
         args.chat_format = "gemma"
     if getattr(args, "n_threads", None) is None:
-        n_workers = sum(s.workers for s in specs) if specs else args.workers
-        args.n_threads = max(1, (os.cpu_count() or 1) // n_workers)
+        args.n_threads = _default_threads(args, specs)
     rundir = tempfile.mkdtemp(prefix="llamapool-")
     frontends_ep = f"ipc://{rundir}/frontends"
     workers_ep = f"ipc://{rundir}/workers"
@@ -325,16 +340,13 @@ def run_up(args: argparse.Namespace) -> int:
                             given_flags(args, WorkerSettings, UP_WORKER_FLAGS)),
                    *(("--slots", str(slots)) if slots > 1 else ())]
     frontend_argv = [*cli, "frontend", "--broker", frontends_ep,
-                     "--bind", f"{args.host}:{args.port}", "--model", model,
+                     "--bind", f"{args.host}:{args.port}",
+                     *(("--models", os.path.abspath(args.models_file)) if specs
+                       else ("--model", model)),
                      *as_argv(FrontendSettings,
                               given_flags(args, FrontendSettings, UP_FRONTEND_FLAGS)),
                      *(("--default-model", next(s.name for s in specs if s.default))
                        if specs and any(s.default for s in specs) else ())]
-    if specs:
-        # The gate counts for the first model: with its context and format.
-        first = {k: v for k, v in specs[0].worker_flags.items()
-                 if k in ("n_ctx", "chat_format")}
-        frontend_argv += as_argv(FrontendSettings, first)
     liveness = as_argv(BrokerSettings, given_flags(args, BrokerSettings,
                                                    UP_BROKER_FLAGS))
 

@@ -40,6 +40,12 @@ class ErrorCode(str, enum.Enum):
     # The broker ended the job.
     DUPLICATE_JOB = "duplicate_job"
     INVALID_SLOT = "invalid_slot"  # ``id_slot`` names no slot in the ledger
+    #: A slot action's file name, or the file itself (another model's, of
+    #: another cache scope, damaged): llama-server's 400s.
+    INVALID_SLOT_FILE = "invalid_slot_file"
+    #: A slot save or restore on a worker without ``--slot-save-path``, or
+    #: any slot action on a worker that has none (llama-server's 501).
+    SLOT_ACTIONS_UNSUPPORTED = "slot_actions_unsupported"
     #: The request's ``model`` is served by no worker (OpenAI's code).
     MODEL_NOT_FOUND = "model_not_found"
     WORKER_DIED = "worker_died"

@@ -162,9 +162,10 @@ STATUS_REPLY = BodyLimits(
     # The counters map: a closed set of names (a few per error code).
     max_map_len=4096,
     # Two per slot (the slot and its progress), plus the totals, plus three
-    # per model (its record, aliases and capabilities).
+    # per model (its record, aliases and capabilities) and nine per model's
+    # totals (the record, and two histograms of four lists each).
     max_containers=2 * (MAX_STATUS_REPLY_BYTES // MAX_SLOT_STATUS_BYTES) + 64
-    + 3 * MAX_MODELS,
+    + 12 * MAX_MODELS,
 )
 
 #: CACHE_REPORT (worker -> broker): the fingerprint lists of at most this many

@@ -45,6 +45,7 @@ from protocol.payloads import (
     JobProgress,
     KeyPolicy,
     PoolStatus,
+    RequestDefaults,
     Timings,
     TokenLogprob,
     TraceContext,
@@ -78,7 +79,7 @@ from protocol.records import (
 #: of issue 30), force_call and its history's tool_calls (a worker of 06
 #: would not force the call, or drop earlier calls), and SUBMIT's key_policy
 #: (a broker of 06 would enforce no key's limits), all without an error).
-PROTOCOL_HEADER = b"LLAMAPOOL07"
+PROTOCOL_HEADER = b"LLAMAPOOL08"
 
 #: Largest body any command accepts (a STATUS reply); each command has its
 #: own, smaller or equal, ceiling (``Message.LIMITS``).
@@ -164,6 +165,9 @@ class Ready(Message):
     aliases: list[Annotated[str, _NAME]] = dataclasses.field(default_factory=list)
     capabilities: list[Annotated[str, _CAPABILITY]] = dataclasses.field(
         default_factory=list)
+    #: Its defaults for what a request leaves out (``--n-predict``,
+    #: ``--temp``, ...), for ``/props``; the worker applies them itself.
+    defaults: RequestDefaults = dataclasses.field(default_factory=RequestDefaults)
 
 
 @_register(0x05)
@@ -291,11 +295,16 @@ class Submit(Message):
 
 @_register(0x11)
 class Accepted(Message):
-    """Broker -> frontend: the job holds slot ``slot_id`` of a ``model`` worker."""
+    """Broker -> frontend: the job holds slot ``slot_id`` of a ``model`` worker.
+
+    ``defaults``: that worker's defaults for what a request leaves out (its
+    READY's), which it fills in: an answer that shows the settings it ran
+    with (``/completion``'s ``generation_settings``) shows them."""
 
     job_id: str
     slot_id: int
     model: str = ""
+    defaults: RequestDefaults | None = None
 
 
 @_register(0x12)
@@ -326,8 +335,10 @@ class Queued(Message):
     """Broker -> frontend: no slot is free, and the job waits for one (the
     broker's ``--queue-max``): ``position`` jobs are ahead of it (0: next),
     and it waits at most ``wait_s`` more, then gets NO_SLOT. ACCEPTED or
-    NO_SLOT follows; a CANCEL takes it out of the queue. A frontend that
-    does not know it waits only its own submit timeout."""
+    NO_SLOT follows; a CANCEL takes it out of the queue. Sent again when the
+    job's place moves up (at most once a second), so a streamed waiter's
+    client sees its progress. A frontend that does not know it waits only
+    its own submit timeout."""
 
     job_id: str
     position: Annotated[int, COUNT]
@@ -481,6 +492,56 @@ class StatusReply(Message):
 
     request_id: str
     snapshot: PoolStatus
+
+
+# --- slot actions (llama-server's POST /slots/{id}?action=) ---------------------
+
+#: llama-server's slot actions; a frontend refuses any other with 400.
+SLOT_ACTIONS = ("save", "restore", "erase")
+#: llama.cpp's ``fs_validate_filename`` takes at most 255 bytes.
+_SLOT_FILENAME = Text(255)
+
+
+@_register(0x30)
+class SlotAction(Message):
+    """Frontend -> broker -> worker: save, restore or erase slot ``id_slot``'s
+    KV sequence (``workers.model.slot_files``).
+
+    The broker leases that slot for it as for a job (a busy slot gets
+    NO_SLOT at once; an unknown one ERROR ``invalid_slot``), hands the frames
+    to its worker unchanged, and frees the slot when SLOT_DONE passes.
+    ``filename`` ("" for erase) is a bare name inside the worker's
+    ``--slot-save-path``, checked there again; ``tenant`` is the caller's
+    cache scope (``GenerationRequest.cache_tenant``): a save writes only
+    that tenant's tokens and a restore loads only that tenant's file.
+    """
+
+    job_id: Annotated[str, _ID]
+    id_slot: Annotated[int, COUNT]
+    action: Annotated[str, OneOf(*SLOT_ACTIONS)]
+    filename: Annotated[str, _SLOT_FILENAME] = ""
+    tenant: Annotated[str, _ID] = ""
+    request_id: Annotated[str, _ID] = ""
+
+
+@_register(0x31)
+class SlotDone(Message):
+    """Worker -> broker -> frontend: how a SLOT_ACTION ended; its only frame.
+
+    ``code`` "" : done, with ``n_tokens`` saved, restored or erased,
+    ``n_bytes`` written or read and ``ms`` taken (llama-server's answer
+    fields). Otherwise a ``protocol.errors.ErrorCode`` and ``message``
+    (llama-server's words where it has them): the broker then frees the
+    slot as for success, and counts no job (no request ran).
+    """
+
+    job_id: Annotated[str, _ID]
+    action: Annotated[str, OneOf(*SLOT_ACTIONS)]
+    n_tokens: Annotated[int, COUNT] = 0
+    n_bytes: Annotated[int, COUNT] = 0
+    ms: Annotated[float, NON_NEGATIVE] = 0.0
+    code: Annotated[str, _ID] = ""
+    message: Annotated[str, _REASON] = ""
 
 
 TERMINAL = (Final, Error)

@@ -56,7 +56,7 @@ CHAT = "chat"
 EMBEDDING = "embedding"
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 #: What a model can do, as its workers announce it (``messages.Ready``).
-CAPABILITIES = ("completion", "chat", "tools", "embeddings", "infill")
+CAPABILITIES = ("completion", "chat", "tools", "embeddings", "infill", "rerank")
 
 
 # --- the generation request ---------------------------------------------------
@@ -147,6 +147,58 @@ class Sampling(WireRecord):
     logit_bias: list[LogitBias] = dataclasses.field(default_factory=list)
 
 
+#: The samplers a model worker's own defaults fill when the client left
+#: them out (``GenerationRequest.defaulted``, ``RequestDefaults``), as
+#: llama-server takes them as flags; the token budget is ``max_tokens``.
+DEFAULTED_SAMPLERS = ("seed", "temperature", "top_k", "top_p", "min_p",
+                      "repeat_penalty", "presence_penalty", "frequency_penalty")
+
+
+@wire_record
+class RequestDefaults(WireRecord):
+    """A model worker's defaults for what a request leaves out, as a
+    llama-server user puts them in a unit file (``--n-predict``, ``--seed``,
+    ``--temp``, ...). None: the worker has none, and the pool's default
+    (``Sampling``'s, or the endpoint's token budget) stands. Sent in READY,
+    so ``/props`` shows the defaults in force."""
+
+    #: -1: no limit (until the context is full).
+    n_predict: int | None = None
+    seed: Annotated[int, COUNT] | None = None
+    temperature: Annotated[float, NON_NEGATIVE] | None = None
+    top_k: Annotated[int, COUNT] | None = None
+    top_p: Annotated[float, NON_NEGATIVE] | None = None
+    min_p: Annotated[float, NON_NEGATIVE] | None = None
+    repeat_penalty: Annotated[float, NON_NEGATIVE] | None = None
+    presence_penalty: Annotated[float, FINITE] | None = None
+    frequency_penalty: Annotated[float, FINITE] | None = None
+
+    def sampling(self, base: Sampling, left_out=DEFAULTED_SAMPLERS) -> Sampling:
+        """``base`` with this worker's value for each sampler in ``left_out``
+        that it has one for."""
+        mine = {name: getattr(self, name) for name in DEFAULTED_SAMPLERS
+                if name in left_out and getattr(self, name) is not None}
+        return dataclasses.replace(base, **mine) if mine else base
+
+    def budget(self, max_tokens: int | None) -> int | None:
+        """The token budget of a request that gave none (``max_tokens``:
+        the endpoint's own default; None: no limit)."""
+        if self.n_predict is None:
+            return max_tokens
+        return None if self.n_predict < 0 else self.n_predict
+
+    def fill(self, request: GenerationRequest) -> GenerationRequest:
+        """``request`` with this worker's defaults for what its client left
+        out (``request.defaulted``); an explicit value always wins."""
+        left_out = set(request.defaulted)
+        sampling = self.sampling(request.sampling, left_out)
+        max_tokens = (self.budget(request.max_tokens) if "max_tokens" in left_out
+                      else request.max_tokens)
+        if sampling is request.sampling and max_tokens == request.max_tokens:
+            return request
+        return dataclasses.replace(request, sampling=sampling, max_tokens=max_tokens)
+
+
 @wire_record
 class EmbeddingInput(WireRecord):
     """One input of an embedding request: text for the worker to tokenise
@@ -228,6 +280,17 @@ class GenerationRequest(WireRecord):
     #: Chat only: llama.cpp's ``continue_final_message`` / assistant
     #: prefill: the last (assistant) message is left open and continued.
     continue_final: bool = False
+    #: The fields the client left out, of ``max_tokens`` and
+    #: ``DEFAULTED_SAMPLERS``: they hold the pool's default, which a worker
+    #: with its own (``RequestDefaults``) replaces. A name this peer does
+    #: not know is ignored.
+    defaulted: list[Annotated[str, Text(limits.MAX_NAME_CHARS)]] = dataclasses.field(
+        default_factory=list)
+    #: ``kind`` embedding: not None makes it a rerank job (``frontend.
+    #: rerank_api``): each input is a document (text only), scored against
+    #: this query by the model's rank head, one score per input in order.
+    #: A worker whose model has no rank head refuses it.
+    rerank_query: str | None = None
 
 
 # --- log-probabilities of generated tokens (TOKEN, FINAL) -------------------------
@@ -405,6 +468,9 @@ class SlotStatus(WireRecord):
     failure: str = ""
     #: Whether llama.cpp repacked its weights, and why (``--repack``).
     repack: str = ""
+    #: Its worker's defaults for what a request leaves out (from READY;
+    #: None: an older broker).
+    defaults: RequestDefaults | None = None
 
 
 @wire_record
@@ -420,6 +486,36 @@ class HistogramSnapshot(WireRecord):
     max: float | None
     #: The newest observations in arrival order (for per-run figures).
     recent: list[float]
+
+
+@wire_record
+class ModelTotals(WireRecord):
+    """One model's share of ``PoolTotals``: the jobs its workers ran, and its
+    refusals and waits (``workers.broker.pool_stats``), for the ``model``
+    label of ``/metrics``. Its histograms carry no ``recent`` observations
+    (the pool's do): a STATUS reply holds up to ``limits.MAX_MODELS`` of
+    these."""
+
+    name: str
+    prompt_tokens_total: Annotated[int, COUNT] = 0
+    prompt_tokens_cached_total: Annotated[int, COUNT] = 0
+    tokens_generated_total: Annotated[int, COUNT] = 0
+    request_success_total: Annotated[int, COUNT] = 0
+    request_fail_total: Annotated[int, COUNT] = 0
+    request_cancelled_total: Annotated[int, COUNT] = 0
+    prompt_seconds_total: float = 0.0
+    tokens_seconds_total: float = 0.0
+    n_tokens_max: Annotated[int, COUNT] = 0
+    n_decode_total: Annotated[int, COUNT] = 0
+    cancel_release_s: HistogramSnapshot | None = None
+    queue_wait_s: HistogramSnapshot | None = None
+    #: SUBMITs refused for want of one of its slots (NO_SLOT), jobs that
+    #: waited for one, and waits that ended without one, by why.
+    no_slot: Annotated[int, COUNT] = 0
+    queued: Annotated[int, COUNT] = 0
+    queue_full: Annotated[int, COUNT] = 0
+    queue_expired: Annotated[int, COUNT] = 0
+    queue_left: Annotated[int, COUNT] = 0
 
 
 @wire_record
@@ -449,6 +545,8 @@ class PoolTotals(WireRecord):
     #: How long jobs waited for a slot (``--queue-max``); None from a broker
     #: that has no queue.
     queue_wait_s: HistogramSnapshot | None = None
+    #: The same per model (its workers' jobs), each model once.
+    models: list[ModelTotals] = dataclasses.field(default_factory=list)
 
 
 @wire_record
@@ -466,6 +564,8 @@ class ModelStatus(WireRecord):
     slots_idle: Annotated[int, COUNT] = 0
     slots_busy: Annotated[int, COUNT] = 0
     slots_loading: Annotated[int, COUNT] = 0
+    #: Jobs waiting for one of its slots (``--queue-max``).
+    jobs_waiting: Annotated[int, COUNT] = 0
 
 
 @wire_record

@@ -17,7 +17,14 @@ import pytest
 
 from protocol import messages
 from protocol.errors import ErrorCode
-from protocol.payloads import COMPLETION, GenerationRequest, Sampling
+from protocol.payloads import (
+    COMPLETION,
+    EMBEDDING,
+    EmbeddingInput,
+    GenerationRequest,
+    LogitBias,
+    Sampling,
+)
 from protocol.settings import ConfigError
 from workers.model.active_job import ActiveJob, Outgoing
 from workers.model.batch_runner import BatchRunner
@@ -45,6 +52,7 @@ class Slots:
         self.runner = BatchRunner(self.settings, lambda: BatchedEngine(
             str(model), n_slots=2, n_ctx=N_CTX, n_threads=1, n_batch=N_BATCH))
         self.sent: dict[str, list[messages.Message]] = {}
+        self.reports: list[messages.CacheReport] = []
         self.ended_at: dict[str, float] = {}
         self._changed = threading.Condition()
         #: Jobs whose client reads everything: credit back for each frame.
@@ -57,6 +65,10 @@ class Slots:
 
     def _got(self, out: Outgoing) -> None:
         msg, job = out.message, out.job
+        if job is None:  # a slot's CACHE_REPORT
+            with self._changed:
+                self.reports.append(msg)
+            return
         with self._changed:
             self.sent.setdefault(job.job_id, []).append(msg)
             if isinstance(msg, messages.TERMINAL):
@@ -170,14 +182,64 @@ def test_a_cancel_ends_only_its_own_slot(tiny_model):
         s.close()
 
 
-def test_a_refused_feature_names_the_batched_engine(slots):
-    request = GenerationRequest(kind=COMPLETION, prompt_tokens=[1, 2],
-                                max_tokens=2, logprobs=1)
-    slots.submit(0, "lp", request)
-    error = slots.terminal("lp")
-    assert isinstance(error, messages.Error)
-    assert error.code == ErrorCode.UNSUPPORTED_FIELD
-    assert error.message == "the batched llama.cpp engine has no logprobs"
+def test_an_embedding_job_runs_beside_a_generating_slot(slots):
+    slots.submit(0, "gen", greedy([1, 40, 41], 80))
+    slots.submit(1, "emb", GenerationRequest(
+        kind=EMBEDDING, inputs=[EmbeddingInput(tokens=[1, 2, 3]),
+                                EmbeddingInput(tokens=[1, 5])]))
+    done = slots.terminal("emb")
+    assert isinstance(done, messages.Final), done
+    vectors = [f for f in slots.sent["emb"] if isinstance(f, messages.Token)]
+    assert len(vectors) == 2 and all(f.embedding for f in vectors)
+    gen = slots.terminal("gen")
+    assert isinstance(gen, messages.Final)
+    assert gen.usage.completion_tokens == 80
+
+
+def constrained(prompt: list[int], grammar: str, banned: int) -> GenerationRequest:
+    """Greedy, with a grammar, a ban, a bias and two top log-probabilities:
+    every logits processor a request can ask for at once."""
+    return GenerationRequest(
+        kind=COMPLETION, prompt_tokens=prompt, max_tokens=12, logprobs=2,
+        grammar=grammar,
+        sampling=Sampling(temperature=0.0, logit_bias=[
+            LogitBias(token=banned, never=True), LogitBias(token=banned + 1,
+                                                           bias=3.0)]))
+
+
+def one_slot_frames(model, request: GenerationRequest):
+    engine = LlamaEngine(str(model), n_ctx=N_CTX, n_threads=1, n_batch=N_BATCH,
+                         cache_ram_mib=0)
+    frames: list[messages.Message] = []
+    settings = WorkerSettings(broker_endpoint="ipc:///nobody")
+    job = ActiveJob(messages.Submit("solo", request), frames.append, settings)
+    result = engine.run(request, job)
+    text = "".join(f.text for f in frames) + result.tail_text
+    logprobs = [e for f in frames for e in f.logprobs] + result.tail_logprobs
+    return text, logprobs
+
+
+def test_grammar_bias_and_logprobs_per_slot_equal_the_one_slot_engine(
+        slots, tiny_model):
+    # Two different grammars decoded in one batch: each slot's mask and
+    # parse state are its own.
+    digits = constrained([1, 40, 41], 'root ::= [0-9]+ " " [a-z]+', 45)
+    words = constrained([1, 50, 51, 52], 'root ::= ("yes" | "no") ","', 60)
+    slots.submit(0, "digits", digits)
+    slots.submit(1, "words", words)
+    for job_id, request in (("digits", digits), ("words", words)):
+        final = slots.terminal(job_id)
+        assert isinstance(final, messages.Final), final
+        frames = slots.sent[job_id]
+        logprobs = [e for f in frames[:-1] for e in f.logprobs] + final.logprobs
+        want_text, want_logprobs = one_slot_frames(tiny_model, request)
+        assert slots.text(job_id) == want_text
+        assert [e.id for e in logprobs] == [e.id for e in want_logprobs]
+        assert len(logprobs) == final.usage.completion_tokens
+        for got, want in zip(logprobs, want_logprobs, strict=True):
+            assert len(got.top) == 2
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-3)
+    assert slots.text("words").rstrip(",") in ("yes", "no")
 
 
 @pytest.mark.parametrize("extra, says", [

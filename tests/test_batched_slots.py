@@ -4,8 +4,10 @@ One worker process, one llama.cpp context with two sequences decoded as one
 batch; to the broker, two slots. Each test checks what a client and the
 ledger see: both slots leased on their own, a paused or cancelled slot that
 leaves the other decoding (its greedy text the same as when it runs alone),
-a worker death that ends both jobs with error events, and the features the
-batched engine refuses by name.
+a worker death that ends both jobs with error events, a JSON schema and
+log-probabilities in one slot beside a held one, embeddings beside a held
+one, and prompt reuse per slot (prefix routing to the slot whose sequence
+holds the prompt, a saved state restored into another slot).
 
 Holding a slot: a client that stops reading (``tests.test_slot_paths``).
 """
@@ -19,6 +21,7 @@ import signal
 import httpx
 import pytest
 
+from protocol.prefix import BLOCK_TOKENS
 from tests.pool import wait_until
 from tests.pool_factory import pool_fixture
 from tests.test_slot_paths import LONG, RawStream, hold_slot, wait_paused
@@ -78,6 +81,7 @@ def test_one_worker_registers_two_slots(pool2):
 def test_two_streams_lease_both_slots_a_third_gets_503(pool2):
     streams = [RawStream(pool2.port, LONG) for _ in range(2)]
     try:
+        assert all(s.header("X-Slot-Id") for s in streams), [s.read_until(b"\r\n\r\n")[:600] for s in streams]
         ids = {int(s.header("X-Slot-Id")) for s in streams}
         assert ids == {s["id"] for s in slot_rows(pool2)}
         for slot_id in ids:
@@ -154,17 +158,44 @@ def test_long_prompt_prefilled_in_chunks_beside_a_running_job(pool2):
         stream.close()
 
 
-@pytest.mark.parametrize("field, value, named", [
-    ("logprobs", 2, "logprobs"),
-    ("grammar", 'root ::= "a"', "grammar"),
-    ("logit_bias", {"1": 2.0}, "logit_bias"),
-])
-def test_features_the_batched_engine_lacks_are_refused_by_name(pool2, field,
-                                                               value, named):
-    r = httpx.post(pool2.url + "/v1/completions",
-                   json={"prompt": "Hi", "max_tokens": 2, field: value}, timeout=30)
-    assert r.status_code == 400, r.text
-    assert f"the batched llama.cpp engine has no {named}" in r.text
+def test_embeddings_in_one_slot_beside_a_held_one(pool2):
+    """An embedding job holds its slot and runs in the worker's embedding
+    context, beside the batch."""
+    held, held_id = hold_slot(pool2)
+    try:
+        r = httpx.post(pool2.url + "/v1/embeddings",
+                       json={"input": ["Hi there", "llamas"]}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert int(r.headers["X-Slot-Id"]) != held_id
+    finally:
+        held.close()
+    vectors = [item["embedding"] for item in r.json()["data"]]
+    assert len(vectors) == 2 and vectors[0] != vectors[1]
+    for v in vectors:
+        assert sum(x * x for x in v) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_a_schema_and_logprobs_in_one_slot_beside_a_held_one(pool2):
+    """Both slots leased at once: one held by a stream that stopped reading,
+    the other a JSON schema with log-probabilities (its own mask and parse
+    state in the worker's one context)."""
+    held, _ = hold_slot(pool2)
+    try:
+        r = httpx.post(pool2.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "A number?"}],
+            "max_tokens": 40, "logprobs": True, "top_logprobs": 2,
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "n", "schema": {
+                    "type": "object", "properties": {"n": {"type": "integer"}},
+                    "required": ["n"], "additionalProperties": False}}}},
+            timeout=60)
+    finally:
+        held.close()
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert isinstance(json.loads(choice["message"]["content"])["n"], int)
+    entries = choice["logprobs"]["content"]
+    assert entries and all(len(e["top_logprobs"]) == 2 for e in entries)
 
 
 def test_worker_death_ends_both_jobs_with_error_events(pool2):
@@ -187,3 +218,42 @@ def test_worker_death_ends_both_jobs_with_error_events(pool2):
     pool2.workers.remove(victim)
     pool2.start_worker()
     pool2.wait_free(2, timeout_s=30)
+
+
+def test_a_prompt_goes_back_to_the_slot_whose_sequence_holds_it(pool2):
+    url = pool2.url + "/v1/completions"
+    first = "the quick brown fox and the lazy dog " * 12
+    second = "hello world this is a test you say yes " * 12
+    r1 = httpx.post(url, json={"prompt": first, "max_tokens": 2}, timeout=60)
+    r2 = httpx.post(url, json={"prompt": second, "max_tokens": 2}, timeout=60)
+    slot1, slot2 = r1.headers["X-Slot-Id"], r2.headers["X-Slot-Id"]
+    assert slot1 != slot2  # least recently used spreads the two
+    before = pool2.status()["counters"].get("routed_by_prefix", 0)
+    # LRU alone would now pick slot1; slot2's own sequence holds the prefix.
+    r3 = httpx.post(url, json={"prompt": second + "and more", "max_tokens": 2},
+                    timeout=60)
+    assert r3.headers["X-Slot-Id"] == slot2
+    usage = r3.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= BLOCK_TOKENS
+    assert pool2.status()["counters"]["routed_by_prefix"] == before + 1
+
+
+def test_one_slots_saved_state_is_restored_into_the_other(pool2):
+    """The worker's slots share one prompt-state cache: a conversation
+    displaced from slot A's sequence is saved, and restored into slot B."""
+    a, b = (row["id"] for row in slot_rows(pool2))
+    url = pool2.url + "/completion"
+    conversation = "a long conversation about llamas and their wool " * 12
+
+    def native(slot: int, prompt: str) -> dict:
+        r = httpx.post(url, json={"prompt": prompt, "n_predict": 2, "id_slot": slot},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    native(a, conversation)
+    # Displaces it: saved before slot A's sequence is trimmed.
+    native(a, "something else entirely, said over and over " * 12)
+    again = native(b, conversation + "and then some more")
+    assert again["id_slot"] == b
+    assert again["timings"]["cache_n"] >= BLOCK_TOKENS

@@ -198,7 +198,8 @@ def test_prompt_tokens_are_counted(whole_pool):
     def prompt_total() -> float:
         text = httpx.get(whole_pool.url + "/metrics", timeout=30).text
         line = next(ln for ln in text.splitlines()
-                    if ln.startswith("llama_prompt_tokens_total "))
+                    # The pool's one model (its file's name) labels it.
+                    if ln.startswith('llama_prompt_tokens_total{model="tiny.gguf"} '))
         return float(line.split()[1])
 
     before = prompt_total()

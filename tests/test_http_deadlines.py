@@ -247,7 +247,8 @@ def test_clients_that_never_read_lose_the_stream_after_send_timeout(
         assert r.status_code == 200
         metrics = httpx.get(pool.url + "/metrics", timeout=10).text
         print(f"\nslots back {freed_after_s:.1f} s after both were taken")
-        assert 'llamapool_lease_endings_total{ending="disconnect"} 2.0' in metrics
+        assert ('llamapool_lease_endings_total{ending="disconnect",'
+                'model="tiny.gguf"} 2.0') in metrics
         assert "read nothing for 3 s; response ended" in pool.frontend.log()
         assert "Traceback" not in pool.frontend.log()
     finally:

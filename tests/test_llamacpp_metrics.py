@@ -17,6 +17,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.stack
 
+#: The pool's one model (its workers' file's name): every series about a
+#: model's work carries it as its ``model`` label (issue 30).
+MODEL = "tiny.gguf"
+
+
+def of_model(name: str) -> str:
+    """A series of the pool's one model, as its sample line names it."""
+    return f'{name}{{model="{MODEL}"}}'
+
 #: name -> (type, help), as llama-server writes them.
 LLAMACPP_SERIES = {
     "prompt_tokens_total": (
@@ -65,7 +74,10 @@ def test_llama_cpp_series_have_its_names_types_and_help(whole_pool):
     for name, (kind, help_text) in LLAMACPP_SERIES.items():
         at = lines.index(f"# HELP llamacpp:{name} {help_text}")
         assert lines[at + 1] == f"# TYPE llamacpp:{name} {kind}"
-        assert lines[at + 2].startswith(f"llamacpp:{name} ")
+        # One sample per model; this pool's one model.
+        assert lines[at + 2].startswith(of_model(f"llamacpp:{name}") + " ")
+        assert not lines[at + 3:at + 4] or not lines[at + 3].startswith(
+            f"llamacpp:{name}")
     # The whole exposition still parses (colons are legal in names).
     families = {f.name for f in text_string_to_metric_families(r.text)}
     assert "llamacpp:requests_processing" in families
@@ -83,7 +95,7 @@ def test_llama_cpp_values_are_the_pools_counts(whole_pool):
     _, after = scrape(whole_pool)
 
     def grew(name):
-        return after[name] - before[name]
+        return after[of_model(name)] - before[of_model(name)]
 
     assert grew("llamacpp:tokens_predicted_total") == 15
     assert grew("llamacpp:tokens_predicted_total") == grew(
@@ -98,16 +110,16 @@ def test_llama_cpp_values_are_the_pools_counts(whole_pool):
         grew("llama_prompt_seconds_total"))
     assert grew("llamacpp:tokens_predicted_seconds_total") == pytest.approx(
         grew("llama_tokens_seconds_total"))
-    assert after["llamacpp:n_tokens_max"] >= max(
+    assert after[of_model("llamacpp:n_tokens_max")] >= max(
         u["usage"]["total_tokens"] for u in usages)
     assert grew("llamacpp:n_decode_total") == 15 + sum(
         1 for u in usages if u["timings"]["prompt_n"] > 0)
-    assert after["llamacpp:predicted_tokens_seconds"] == pytest.approx(
-        after["llamacpp:tokens_predicted_total"]
-        / after["llamacpp:tokens_predicted_seconds_total"])
-    assert after["llamacpp:n_busy_slots_per_decode"] == 1.0
-    assert after["llamacpp:requests_processing"] == 0  # nothing running now
-    assert after["llamacpp:requests_deferred"] == 0
+    assert after[of_model("llamacpp:predicted_tokens_seconds")] == pytest.approx(
+        after[of_model("llamacpp:tokens_predicted_total")]
+        / after[of_model("llamacpp:tokens_predicted_seconds_total")])
+    assert after[of_model("llamacpp:n_busy_slots_per_decode")] == 1.0
+    assert after[of_model("llamacpp:requests_processing")] == 0  # nothing running now
+    assert after[of_model("llamacpp:requests_deferred")] == 0
 
 
 def test_metrics_answer_carries_process_start_time(whole_pool):

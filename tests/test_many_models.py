@@ -347,3 +347,23 @@ def test_counting_a_prompt_uses_the_vocabulary_and_template_of_its_model(mixed):
     unknown = httpx.post(mixed.url + "/v1/chat/completions/input_tokens",
                          json={**body, "model": "nobody"}, timeout=TIMEOUT_S)
     assert unknown.status_code == 404
+
+
+def test_a_model_without_a_vocabulary_here_is_501_on_the_tokenizer(mixed):
+    # The frontend's --model is alpha's: alpha's tokenizer answers, bravo's
+    # (whose file this frontend lacks) is 501 naming the setting, as for a
+    # frontend with no file at all; a name nobody serves is still 404.
+    for path, body in (("/tokenize", {"content": "Hi"}),
+                       ("/detokenize", {"tokens": [1]}),
+                       ("/apply-template",
+                        {"messages": [{"role": "user", "content": "Hi"}]})):
+        ok = httpx.post(mixed.url + path, json={**body, "model": "first"},
+                        timeout=TIMEOUT_S)
+        assert ok.status_code == 200, ok.text
+        lacking = httpx.post(mixed.url + path, json={**body, "model": "b"},
+                             timeout=TIMEOUT_S)
+        assert lacking.status_code == 501, lacking.text
+        assert "--models" in lacking.json()["error"]["message"]
+        unknown = httpx.post(mixed.url + path, json={**body, "model": "nobody"},
+                             timeout=TIMEOUT_S)
+        assert unknown.status_code == 404, unknown.text

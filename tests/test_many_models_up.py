@@ -57,6 +57,14 @@ def test_up_runs_each_model_of_the_file(model_files, tmp_path):  # noqa: F811
             resp = httpx.post(url + "/v1/completions", json=body, timeout=60)
             assert resp.status_code == 200, resp.text
             assert resp.json()["model"] == name
+        # The frontend has the file too: each model's own vocabulary (only
+        # bravo's has the FIM tokens).
+        for asked, n_tokens in (("bravo", 1), ("a", None)):
+            resp = httpx.post(url + "/tokenize", timeout=60, json={
+                "content": "<|fim_prefix|>", "model": asked})
+            assert resp.status_code == 200, resp.text
+            got = len(resp.json()["tokens"])
+            assert got == n_tokens if n_tokens else got > 1, (asked, got)
     finally:
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)

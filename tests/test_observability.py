@@ -22,6 +22,9 @@ pytestmark = pytest.mark.stack
 KEY = "sk-observe-9Qx2-KEYSECRET"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SECRET_PROMPT = "purple-elephant-prompt-31337"
+#: The ``model`` label of the pool's model-scoped series: the workers' model,
+#: named after its file (issue 30).
+MODEL = "tiny.gguf"
 
 
 opool = pool_fixture(workers=2, api_keys=(KEY,), global_args=("--log-format", "json"),
@@ -89,26 +92,33 @@ def test_counters_move_by_exact_amounts(opool):
     opool.assert_whole()
 
     after = scrape(opool)
-    assert delta(before, after, "llama_request_success_total") == 4
-    assert delta(before, after, "llama_tokens_generated_total") >= completion_n
-    assert delta(before, after, "llamapool_requests_cancelled_total") == 2
+    assert delta(before, after, "llama_request_success_total", model=MODEL) == 4
+    assert delta(before, after, "llama_tokens_generated_total",
+                 model=MODEL) >= completion_n
+    assert delta(before, after, "llamapool_requests_cancelled_total", model=MODEL) == 2
     # The two cancelled streams generated tokens too; everything else is exact.
-    assert delta(before, after, "llama_prompt_tokens_total") >= prompt_n
-    assert delta(before, after, "llama_prompt_seconds_total") >= prompt_s * 0.999
-    assert delta(before, after, "llama_tokens_seconds_total") >= tokens_s * 0.999
-    assert delta(before, after, "llama_request_fail_total") == 0
+    assert delta(before, after, "llama_prompt_tokens_total", model=MODEL) >= prompt_n
+    assert delta(before, after, "llama_prompt_seconds_total",
+                 model=MODEL) >= prompt_s * 0.999
+    assert delta(before, after, "llama_tokens_seconds_total",
+                 model=MODEL) >= tokens_s * 0.999
+    assert delta(before, after, "llama_request_fail_total", model=MODEL) == 0
     for reason in ("auth", "bad_request", "too_large", "no_slot"):
         assert delta(before, after, "llamapool_requests_rejected_total",
                      reason=reason) == 1, reason
-    assert delta(before, after, "llamapool_broker_no_slot_total") == 1
-    assert delta(before, after, "llamapool_disconnect_release_seconds_count") == 2
-    assert delta(before, after, "llamapool_time_to_first_token_seconds_count") == 6
-    assert delta(before, after, "llamapool_slot_hold_seconds_count") == 7
-    assert delta(before, after, "llamapool_inter_token_latency_seconds_count") > 20
+    assert delta(before, after, "llamapool_broker_no_slot_total", model=MODEL) == 1
+    assert delta(before, after, "llamapool_disconnect_release_seconds_count",
+                 model=MODEL) == 2
+    assert delta(before, after, "llamapool_time_to_first_token_seconds_count",
+                 model=MODEL) == 6
+    assert delta(before, after, "llamapool_slot_hold_seconds_count", model=MODEL) == 7
+    assert delta(before, after, "llamapool_inter_token_latency_seconds_count",
+                 model=MODEL) > 20
     # Every request that reached the broker, the refused one included.
-    assert delta(before, after, "llamapool_request_duration_seconds_count") == 7
-    assert value(after, "llamapool_slots_registered") == 2
-    assert value(after, "llama_slots_processing") == 0
+    assert delta(before, after, "llamapool_request_duration_seconds_count",
+                 model=MODEL) == 7
+    assert value(after, "llamapool_slots_registered", model=MODEL) == 2
+    assert value(after, "llama_slots_processing", model=MODEL) == 0
 
 
 def test_exact_token_counts_without_cancels(opool):
@@ -121,14 +131,14 @@ def test_exact_token_counts_without_cancels(opool):
                              "ignore_eos": True})
         timings.append(r.json()["timings"])
     after = scrape(opool)
-    assert delta(before, after, "llama_tokens_generated_total") == 8
-    assert delta(before, after, "llama_request_success_total") == 2
-    assert delta(before, after, "llama_request_fail_total") == 0
-    assert delta(before, after, "llama_prompt_tokens_total") == sum(
+    assert delta(before, after, "llama_tokens_generated_total", model=MODEL) == 8
+    assert delta(before, after, "llama_request_success_total", model=MODEL) == 2
+    assert delta(before, after, "llama_request_fail_total", model=MODEL) == 0
+    assert delta(before, after, "llama_prompt_tokens_total", model=MODEL) == sum(
         t["prompt_n"] for t in timings)
-    assert abs(delta(before, after, "llama_prompt_seconds_total")
+    assert abs(delta(before, after, "llama_prompt_seconds_total", model=MODEL)
                - sum(t["prompt_ms"] for t in timings) / 1000) < 1e-6
-    assert abs(delta(before, after, "llama_tokens_seconds_total")
+    assert abs(delta(before, after, "llama_tokens_seconds_total", model=MODEL)
                - sum(t["predicted_ms"] for t in timings) / 1000) < 1e-6
 
 
@@ -145,7 +155,7 @@ def test_worker_death_restart_and_fail_counters(opool):
     opool.start_worker()
     opool.wait_free(2, timeout_s=30)
     after = scrape(opool)
-    assert delta(before, after, "llama_request_fail_total") == 1
+    assert delta(before, after, "llama_request_fail_total", model=MODEL) == 1
     assert delta(before, after, "llamapool_worker_deaths_total") == 1
     assert delta(before, after, "llamapool_worker_restarts_total") == 1
 
@@ -293,9 +303,10 @@ def test_broker_and_worker_serve_their_own_metrics(tiny_model, tmp_path):
             return text if needle in text else None
 
         text = wait_until(
-            lambda: scrape_port(broker_port, "llamapool_slots_registered 1"),
+            lambda: scrape_port(broker_port,
+                                'llamapool_slots_registered{model="tiny.gguf"} 1'),
             30, "the broker to export one registered slot")
-        assert "llama_tokens_generated_total" in text
+        assert 'llama_tokens_generated_total{model="tiny.gguf"}' in text
         text = wait_until(lambda: scrape_port(worker_port, "llamapool_worker_loaded 1"),
                           30, "the worker to export loaded=1")
         assert "llamapool_worker_jobs_total 0.0" in text

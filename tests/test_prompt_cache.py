@@ -51,8 +51,10 @@ def slot_entries(pool: Pool) -> list[dict]:
 
 
 def metric(pool: Pool, name: str) -> float:
+    """A series of the pool's one model (its ``model`` label: the workers'
+    file's name)."""
     text = httpx.get(pool.url + "/metrics", timeout=10).text
-    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    match = re.search(rf'^{name}{{model="tiny.gguf"}} (\S+)$', text, re.M)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
 

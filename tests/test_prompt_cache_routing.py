@@ -66,6 +66,18 @@ def test_any_cached_state_attracts_its_conversation():
     assert slot.shared_blocks_at_assign == len(prefix_blocks(a))
 
 
+def test_among_equal_holders_the_one_holding_it_live_wins():
+    """Two slots of one batched worker report the worker's one cache: the
+    slot whose own sequence holds the prompt needs no restore, even when
+    the other was idle longer."""
+    ledger = two_workers()
+    a, b = conversation(1), conversation(2)
+    ledger.record_cache_report(ledger.workers[b"w1"], report(b, a))  # saved
+    ledger.record_cache_report(ledger.workers[b"w2"], report(a, b))  # live
+    slot = ledger.assign("j1", b"f", 1.0, prefix_blocks(a + [5, 6, 7]))
+    assert slot.identity == b"w2"
+
+
 def test_the_longest_held_prefix_wins_and_ties_go_to_the_least_recently_used():
     ledger = two_workers()
     a = conversation(1, 640)

@@ -92,7 +92,7 @@ def test_optional_trailing_fields_take_defaults():
 
 
 def test_newer_peer_extra_fields_are_ignored():
-    body = msgpack.packb(["job", 3, "model", "some future field"])
+    body = msgpack.packb(["job", 3, "model", None, "some future field"])
     msg = messages.decode([messages.PROTOCOL_HEADER, messages.Accepted.COMMAND, body])
     assert msg == messages.Accepted("job", 3, "model")
 

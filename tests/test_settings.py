@@ -12,6 +12,7 @@ import dataclasses
 import os
 import socket
 import subprocess
+import typing
 
 import pytest
 
@@ -175,6 +176,10 @@ def test_a_flag_is_declared_once_and_hands_its_value_on(command, cls):
         elif f.name in ("cors_methods", "cors_headers"):
             values[f.name] = ("GET", "POST") if f.name == "cors_methods" \
                 else ("Authorization", "X-Custom")
+        elif f.default is None:  # an optional number: its annotation's kind
+            hint = typing.get_type_hints(cls)[f.name]
+            kind = next(a for a in typing.get_args(hint) if a is not type(None))
+            values[f.name] = _OTHER.get(kind, "x")
         else:
             kind = type(f.default) if f.default is not dataclasses.MISSING else str
             values[f.name] = _OTHER.get(kind, "x")

@@ -48,12 +48,16 @@ def scrape(pool) -> dict:
     return scrape_metrics(pool.url, auth(KEY_A), TIMEOUT_S)
 
 
+#: The pool's one model, the ``model`` label of its series (issue 30).
+MODEL = "tiny.gguf"
+
+
 def metric(pool, name: str, **labels) -> float:
     return scrape(pool).get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def waiting(pool) -> int:
-    return int(metric(pool, "llamacpp:requests_deferred"))
+    return int(metric(pool, "llamacpp:requests_deferred", model=MODEL))
 
 
 def complete(pool, key: str, prompt: str = "Hi", headers: dict | None = None):
@@ -72,7 +76,7 @@ def test_a_waiter_gets_the_slot_when_it_frees(queued_pool, clients):
     held, _ = hold_slot(queued_pool, headers=auth(KEY_A))
     waiter = clients.submit(complete, queued_pool, KEY_B)
     wait_until(lambda: waiting(queued_pool) == 1, 30, "the request to wait")
-    assert metric(queued_pool, "llamapool_queue_depth") == 1
+    assert metric(queued_pool, "llamapool_queue_depth", model=MODEL) == 1
     held.close()
     r = waiter.result(timeout=TIMEOUT_S)
     assert r.status_code == 200, r.text
@@ -106,12 +110,13 @@ def test_a_wait_longer_than_the_submit_timeout_is_not_a_lost_broker(
 def test_the_request_can_shorten_its_wait(queued_pool):
     held, _ = hold_slot(queued_pool, headers=auth(KEY_A))
     try:
-        before = metric(queued_pool, "llamapool_queue_refused_total", reason="expired")
+        before = metric(queued_pool, "llamapool_queue_refused_total", model=MODEL,
+                        reason="expired")
         r = complete(queued_pool, KEY_B, headers={"X-Max-Wait-S": "0.5"})
         assert r.status_code == 503, r.text
         assert int(r.headers["Retry-After"]) >= 1
         assert metric(queued_pool, "llamapool_queue_refused_total",
-                      reason="expired") == before + 1
+                      model=MODEL, reason="expired") == before + 1
         bad = complete(queued_pool, KEY_B, headers={"X-Max-Wait-S": "soon"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Max-Wait-S"
     finally:
@@ -129,7 +134,8 @@ def test_the_queue_is_bounded_by_count_and_by_prompt_tokens(tight_pool, clients)
         wait_until(lambda: waiting(tight_pool) == 1, 30, "one waiter")
         second = complete(tight_pool, KEY_A)  # the one place is taken
         assert second.status_code == 503 and "Retry-After" in second.headers
-        assert metric(tight_pool, "llamapool_queue_refused_total", reason="full") >= 2
+        assert metric(tight_pool, "llamapool_queue_refused_total", model=MODEL,
+                      reason="full") >= 2
     finally:
         held.close()
     assert first.result(timeout=TIMEOUT_S).status_code == 200
@@ -162,12 +168,12 @@ def test_a_waiter_whose_client_leaves_is_gone_and_nothing_runs(queued_pool, stre
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    assert delta("llamapool_queue_refused_total", reason="left") == 1
+    assert delta("llamapool_queue_refused_total", model=MODEL, reason="left") == 1
     # Only the held stream reached the worker (cancelled as it closed): the
     # waiter never ran.
-    assert delta("llamapool_requests_cancelled_total") == 1
-    assert delta("llama_request_success_total") == 0
-    assert delta("llama_request_fail_total") == 0
+    assert delta("llamapool_requests_cancelled_total", model=MODEL) == 1
+    assert delta("llama_request_success_total", model=MODEL) == 0
+    assert delta("llama_request_fail_total", model=MODEL) == 0
 
 
 def test_a_freed_slot_goes_to_the_key_served_least(queued_pool, clients):

@@ -63,8 +63,10 @@ export async function errorOf(response) {
 /**
  * The `data:` payloads of a server-sent event stream, parsed: objects, or the
  * string "[DONE]". Ends when the body ends; throws AbortError when aborted.
+ * Comment lines (`: waiting, position 3` while the job waits in the pool's
+ * queue) go to `onComment`, without the colon.
  */
-export async function* sseEvents(response) {
+export async function* sseEvents(response, onComment = () => {}) {
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
@@ -77,6 +79,9 @@ export async function* sseEvents(response) {
       while ((end = buffer.indexOf("\n\n")) >= 0) {
         const event = buffer.slice(0, end);
         buffer = buffer.slice(end + 2);
+        for (const line of event.split("\n")) {
+          if (line.startsWith(":")) onComment(line.slice(1).trim());
+        }
         const data = event
           .split("\n")
           .filter((line) => line.startsWith("data:"))

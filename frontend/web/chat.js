@@ -1,6 +1,6 @@
 // The conversation view: send, stream the answer in, stop, retry when busy.
 
-import { apiFetch, errorOf, requestKey, sseEvents } from "./api.js";
+import { ApiError, apiFetch, errorOf, requestKey, sseEvents } from "./api.js";
 import { renderMarkdown } from "./markdown.js";
 import {
   loadConversations, loadSettings, newConversation, saveConversations, saveSettings,
@@ -198,7 +198,14 @@ export class ChatView {
       }
       if (!response.ok) throw await errorOf(response);
       this.setStatus("Generating…");
-      await this.readStream(response, answer, el);
+      try {
+        await this.readStream(response, answer, el);
+      } catch (err) {
+        // A wait in the pool's queue that passed its deadline: as a 503.
+        if (!(err instanceof ApiError && err.status === 503)) throw err;
+        await this.countdown(err, attempt, signal);
+        continue;
+      }
       return;
     }
   }
@@ -228,9 +235,28 @@ export class ChatView {
       this.renderBody(el, answer.content);
     };
     let finish = null;
-    for await (const event of sseEvents(response)) {
+    let waiting = false;
+    // The pool's queue (--queue-max) says where the job stands while it
+    // waits for a slot: ": waiting, position N" (1: next).
+    const onComment = (comment) => {
+      const place = /^waiting, position (\d+)/.exec(comment);
+      if (!place) return;
+      waiting = true;
+      this.setStatus(`Waiting for a slot: position ${place[1]} in the queue…`, "busy");
+    };
+    for await (const event of sseEvents(response, onComment)) {
       if (event === "[DONE]") break;
+      if (event.error?.code === "no_slot" && waiting) {
+        // The status came at once, while the job waited; its wait ended
+        // without a slot: "no slot available; retry after N s".
+        const retry = /retry after (\d+) s/.exec(event.error.message);
+        throw new ApiError(503, event.error.message, retry ? Number(retry[1]) : null);
+      }
       if (event.error) throw new Error(`The answer failed: ${event.error.message}`);
+      if (waiting) {
+        waiting = false;
+        this.setStatus("Generating…");
+      }
       const choice = event.choices?.[0];
       const delta = choice?.delta?.content;
       if (delta) {

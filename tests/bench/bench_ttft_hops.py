@@ -277,7 +277,8 @@ def local_first_token(llama) -> float:
     started = time.perf_counter()
     tokens = llama.tokenize(PROMPT.encode("utf-8"), special=True)
     from workers.model import kv_cache
-    plan = kv_cache.plan_reuse(llama, tokens)
+    from workers.model.kv_sequence import LlamaSequence
+    plan = kv_cache.plan_reuse(LlamaSequence(llama), tokens)
     gen = llama.generate(plan.tokens, reset=plan.reset, **harness.SAMPLING)
     try:
         next(gen)

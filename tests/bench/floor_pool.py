@@ -33,6 +33,7 @@ import zmq
 from tests.bench import harness
 from workers.model import kv_cache
 from workers.model.detokenizer import IncrementalDetokenizer
+from workers.model.kv_sequence import LlamaSequence
 
 #: Frames: (command, job id, payload).
 SUBMIT, TOKEN, END = b"S", b"T", b"E"
@@ -60,7 +61,7 @@ def worker_main(model: str, endpoint: str, loaded) -> None:
         _, job_id, body = sock.recv_multipart()
         prompt, n_tokens = json.loads(body)
         tokens = llama.tokenize(prompt.encode(), special=True)
-        plan = kv_cache.plan_reuse(llama, tokens)  # reuse as the worker does
+        plan = kv_cache.plan_reuse(LlamaSequence(llama), tokens)  # reuse as the worker does
         gen = llama.generate(plan.tokens, reset=plan.reset,
                              logits_processor=processors, **harness.SAMPLING)
         n = 0

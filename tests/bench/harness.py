@@ -179,8 +179,10 @@ class Server:
 
 def llamapool_up(model: str, workers: int, threads: int | str, *, ctx: int = 2048,
                  extra: tuple[str, ...] = (), env: dict | None = None,
-                 checkout: str | None = None) -> tuple[Server, str]:
+                 checkout: str | None = None,
+                 slots_per_worker: int = 1) -> tuple[Server, str]:
     """``llamapool up`` on a free port; returns the server and its base URL.
+    ``slots_per_worker``: each worker's batched slots (``--slots-per-worker``).
     ``env``: the whole environment of the pool's processes (default: ours).
     ``checkout``: run the llamapool code of that directory (another commit
     checked out beside this one, for a before/after side by side) instead
@@ -195,9 +197,12 @@ def llamapool_up(model: str, workers: int, threads: int | str, *, ctx: int = 204
     argv = [sys.executable, "-m", "llamapool", "--log-level", "warning", "up",
             "--model", model, "--workers", str(workers), "--threads", str(threads),
             "--ctx", str(ctx), "--port", str(port), *extra]
+    if slots_per_worker != 1:
+        argv += ["--slots-per-worker", str(slots_per_worker)]
     server = Server("llamapool-up", argv, url + "/health", env=env, cwd=checkout)
-    # /health is ok with one worker; wait for all of them.
-    wait_until(lambda: _idle_slots(url) == workers, 180, f"{workers} idle slots",
+    # /health is ok with one slot; wait for all of them.
+    slots = workers * slots_per_worker
+    wait_until(lambda: _idle_slots(url) == slots, 180, f"{slots} idle slots",
                interval_s=0.2)
     return server, url
 
@@ -356,10 +361,11 @@ def ban_eog(llama, *, in_python: bool = False):
 def generate_loop(llama, prompt: str, n_tokens: int, processors) -> LoopTiming:
     """A bare ``Llama.generate`` loop, prefix reuse as the worker does it."""
     from workers.model import kv_cache
+    from workers.model.kv_sequence import LlamaSequence
 
     tokens = llama.tokenize(prompt.encode("utf-8"), special=True)
     started = time.perf_counter()
-    plan = kv_cache.plan_reuse(llama, tokens)
+    plan = kv_cache.plan_reuse(LlamaSequence(llama), tokens)
     first = None
     n = 0
     gen = llama.generate(plan.tokens, reset=plan.reset, logits_processor=processors,

@@ -61,6 +61,7 @@ class SubmitAdmission:
             if b.waiting.wait(ident, msg, raw, blocks, now):
                 return
             b.counters.no_slot += 1
+            b.stats.of(model).no_slot += 1
             b.key_accounts.on_no_slot(msg)
             b.to_frontend(ident, messages.NoSlot(
                 msg.job_id, b.waiting.retry_after_s(now, model)))

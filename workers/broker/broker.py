@@ -58,6 +58,7 @@ from workers.broker.registration import WorkerRegistration
 from workers.broker.revocation import KeyRevocation
 from workers.broker.security import BrokerSecurity
 from workers.broker.settings import BrokerSettings
+from workers.broker.slot_actions import SlotActions
 from workers.broker.step_down import ThreadStepDown
 from workers.broker.waiting_room import WaitingJobs
 
@@ -110,6 +111,7 @@ class Broker:
         self.admission = SubmitAdmission(self)
         self.keys = KeyRevocation(self)
         self.relay = JobRelay(self)
+        self.slot_actions = SlotActions(self)  # llama-server's slot files
         self.step_down = ThreadStepDown(self)
         self.stuck_frontends = StuckFrontends(self)
         self.claim_checks = ClaimChecks(self)
@@ -132,6 +134,7 @@ class Broker:
             messages.Status: self._on_status,
             messages.Cancel: self._on_cancel_message,
             messages.Credit: self._on_credit,
+            messages.SlotAction: self.slot_actions.on_action,
             messages.Heartbeat: lambda ident, msg, raw, now: None,
         }
         self._worker_handlers: dict[type, Callable] = {
@@ -139,6 +142,7 @@ class Broker:
             messages.Heartbeat: self._on_worker_heartbeat,
             messages.ThreadsSet: self._on_threads_set,
             messages.Disconnect: self._on_worker_goodbye,
+            messages.SlotDone: self.slot_actions.on_done,
             **dict.fromkeys(messages.JOB_FRAMES, self._on_job_frame),
         }
 
@@ -290,7 +294,7 @@ class Broker:
         if not known:
             self.counters.unknown_peer += 1
             self.to_frontend(ident, messages.Disconnect("unknown frontend"))
-            if not isinstance(msg, messages.Submit):
+            if not isinstance(msg, (messages.Submit, messages.SlotAction)):
                 # STATUS too: a reply is the one large thing the broker
                 # sends, so only a registered frontend (whose pipe we watch,
                 # ``expiry.StuckFrontends``) gets one. A frontend re-sends its
@@ -349,7 +353,8 @@ class Broker:
                 ident, messages.NoSlot(msg.job_id, timing.RETRY_AFTER_MIN_S))
             return
         self.to_frontend(
-            ident, messages.Accepted(msg.job_id, slot.slot_id, slot.info.model))
+            ident, messages.Accepted(msg.job_id, slot.slot_id, slot.info.model,
+                                     slot.info.defaults))
 
     def cancel(self, frontend: bytes, job_id: str, now: float) -> None:
         """The job's frontend asks to cancel it (or is gone)."""
@@ -426,7 +431,7 @@ class Broker:
     def _finish(self, job: ledger_mod.Job, msg: messages.Message, now: float) -> None:
         self.ledger.finish(job.job_id, now)
         self.waiting.on_end(job.job_id, msg, now)
-        self.stats.job_ended(msg, job.cancel_requested_at, now)
+        self.stats.job_ended(msg, job.cancel_requested_at, now, job.model)
         slot = self.ledger.workers.get(job.worker)
         self.claim_checks.on_finish(slot, job, msg)
         if slot is not None and slot.draining:
@@ -468,7 +473,7 @@ class Broker:
                     "pid=%d host=%s; the job fails with %s", why, orphan.named(),
                     slot.slot_id, slot.info.pid, slot.info.host, code)
         if orphan is not None:
-            self.stats.job_lost()
+            self.stats.job_lost(orphan.model)
             self.waiting.on_end(orphan.job_id, None, time.monotonic())
             self.fail_job(orphan, code, message)
 
@@ -512,5 +517,6 @@ class Broker:
     def snapshot(self, now: float) -> PoolStatus:
         snap = self.ledger.snapshot(now, self.counters.as_dict(), self.stats.totals())
         return dataclasses.replace(snap, jobs_waiting=len(self.waiting.room),
+                                   models=self.waiting.with_waiting(snap.models),
                                    keys=self.key_accounts.usage(),
                                    retry_after_s=self.waiting.retry_after_s(now))

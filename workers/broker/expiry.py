@@ -47,7 +47,7 @@ class MuteJobs:
             orphan = b.ledger.remove_worker(job.worker)
             b.to_worker(job.worker, messages.Disconnect("no sign of the job"))
             if orphan is not None:
-                b.stats.job_lost()
+                b.stats.job_lost(orphan.model)
                 b.fail_job(orphan, ErrorCode.WORKER_UNRESPONSIVE,
                            "the model worker did not start the job in time")
 

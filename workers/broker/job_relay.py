@@ -65,7 +65,8 @@ class JobRelay:
         b.malformed(identity, why)
         slot = b.ledger.workers.get(identity)
         if (slot is None or slot.job_id is None
-                or messages.command_class(frames) not in messages.JOB_FRAMES):
+                or messages.command_class(frames)
+                not in (*messages.JOB_FRAMES, messages.SlotDone)):
             return
         self._worker_broke_job(slot, why)
 
@@ -90,7 +91,7 @@ class JobRelay:
                     slot.slot_id, slot.info.pid, why[:200])
         job = b.ledger.remove_worker(slot.identity)
         if job is not None:
-            b.stats.job_lost()
+            b.stats.job_lost(job.model)
             b.fail_job(job, ErrorCode.WORKER_PROTOCOL_ERROR,
                         "the model worker sent a malformed frame")
         b.to_worker(slot.identity, messages.Disconnect("malformed job frame"))

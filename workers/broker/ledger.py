@@ -68,6 +68,10 @@ class WorkerSlot:
     #: ``i`` covers blocks ``0..i``, so the worker holds a prompt's first
     #: ``k`` blocks exactly when the prompt's ``k``-th is in here.
     cached_blocks: frozenset = frozenset()
+    #: The part of ``cached_blocks`` its live KV sequence holds (the
+    #: report's first state, or the last job's prompt): a prompt it serves
+    #: needs no state restored.
+    live_blocks: frozenset = frozenset()
     #: The figures of its last CACHE_REPORT (for /slots and /metrics).
     prompt_cache: PromptCacheStatus | None = None
     #: Blocks the current job's prompt shared with that cache when assigned.
@@ -83,6 +87,10 @@ class WorkerSlot:
         """Leading blocks of a prompt this worker holds, as routing counts
         them: 0 while its claims are not believed."""
         return held_blocks(self.cached_blocks, blocks) if self.claims.trusted else 0
+
+    def live_routing_blocks(self, blocks: list) -> int:
+        """Of those, the blocks its live sequence holds."""
+        return held_blocks(self.live_blocks, blocks) if self.claims.trusted else 0
 
 
 @dataclasses.dataclass
@@ -109,6 +117,9 @@ class Job:
     #: claim (``workers.broker.cache_claims``).
     claimed_blocks: int = 0
     check_claim: bool = False
+    #: Its worker's model (the name, never an alias): whose totals it
+    #: counts in (``workers.broker.pool_stats``).
+    model: str = ""
 
     def named(self) -> str:
         """``job 3f2a.. (request 9c1.., key abcd)``, for log lines."""
@@ -253,9 +264,12 @@ class Ledger:
         if all of them are busy.
 
         The idle worker that holds the longest run of the prompt's prefix
-        blocks (live or cached) wins; among equals, the least recently used
-        one. A busy holder is never waited for, and a worker whose claims
-        failed counts as holding nothing (``cache_claims``).
+        blocks (live or cached) wins; among equals, the one whose live
+        sequence holds them (no state to restore: the slots of a batched
+        worker all report the worker's one cache, and only one holds the
+        prompt live), then the least recently used one. A busy holder is
+        never waited for, and a worker whose claims failed counts as
+        holding nothing (``cache_claims``).
         """
         if job_id in self.jobs:
             raise ValueError(f"duplicate job id {job_id!r}")
@@ -265,6 +279,7 @@ class Ledger:
         blocks = prefix_blocks or []
         if self.prefer_prefix:
             slot = min(idle, key=lambda w: (-w.routing_blocks(blocks),
+                                            -w.live_routing_blocks(blocks),
                                             w.idle_since))
         else:
             slot = min(idle, key=lambda w: w.idle_since)
@@ -300,6 +315,7 @@ class Ledger:
         slot.cached_blocks = (grown if slot.prompt_cache is not None
                               and len(grown) <= MAX_HELD_FINGERPRINTS
                               else frozenset(blocks))
+        slot.live_blocks = frozenset(blocks)
         slot.state = BUSY
         slot.job_id = job_id
         slot.lease_taken_at = now
@@ -307,7 +323,7 @@ class Ledger:
         slot.progress_at = None
         self.jobs[job_id] = Job(job_id, frontend, slot.identity, now,
                                 tag=messages.job_id_tag(job_id),
-                                claimed_blocks=claimed)
+                                claimed_blocks=claimed, model=slot.info.model)
         return slot
 
     def record_cache_report(self, slot: WorkerSlot,
@@ -315,6 +331,8 @@ class Ledger:
         """What the worker holds now (replaces what it said before)."""
         slot.cached_blocks = frozenset(
             fp for state in report.states for fp in state[:MAX_BLOCKS])
+        slot.live_blocks = frozenset(report.states[0][:MAX_BLOCKS]
+                                     if report.states else ())
         slot.prompt_cache = report.status
 
     def job_heard(self, job_id: str) -> None:
@@ -455,6 +473,7 @@ class Ledger:
                 gpu=w.info.gpu,
                 failure=w.failure,
                 repack=w.info.repack,
+                defaults=w.info.defaults,
             )
             for w in sorted(self.workers.values(), key=lambda w: w.slot_id)
         ]

@@ -10,6 +10,13 @@ They are written as text, not through prometheus_client: the client accepts
 the colon, but renders a counter's HELP and TYPE lines with ``_total``
 appended, and llama.cpp's ``n_tokens_max`` is a counter without it.
 
+Each series has a ``model`` label, one sample per model of the pool (issue
+30): llama-server's router answers ``/metrics?model=X`` with that model's
+instance's series, and a pool's one exposition holds them all. A dashboard
+made for one llama-server still works for a pool of one model: its queries
+name the series, and one sample matches (``sum`` over several models gives
+the pool's).
+
 Where the pool differs from one llama-server process
 (docs/llama-cpp-compatibility.md):
 
@@ -31,6 +38,7 @@ from __future__ import annotations
 from prometheus_client.utils import floatToGoString
 
 from protocol.payloads import PoolStatus
+from workers.broker.model_metrics import slots_by_model, totals_by_model
 
 #: Name (after ``llamacpp:``) and help text, as llama-server writes them.
 COUNTERS = (
@@ -64,10 +72,13 @@ def _rate(count: float, seconds: float) -> float:
     return count / seconds if seconds > 0 else 0.0
 
 
-def values(snapshot: PoolStatus) -> dict[str, float]:
-    """Every ``llamacpp:*`` value, by name, from one broker snapshot."""
-    t = snapshot.stats
-    return {
+def values(snapshot: PoolStatus) -> dict[str, dict[str, float]]:
+    """Every ``llamacpp:*`` value, by model and then by name, from one broker
+    snapshot: a model's jobs and slots only (``workers.broker.model_metrics``)."""
+    totals = totals_by_model(snapshot)
+    slots = slots_by_model(snapshot)
+    waiting = {m.name: m.jobs_waiting for m in snapshot.models}
+    return {model: {
         "prompt_tokens_total": t.prompt_tokens_total,
         "prompt_tokens_cached_total": t.prompt_tokens_cached_total,
         "prompt_seconds_total": t.prompt_seconds_total,
@@ -82,19 +93,29 @@ def values(snapshot: PoolStatus) -> dict[str, float]:
                                        t.prompt_seconds_total),
         "predicted_tokens_seconds": _rate(t.tokens_generated_total,
                                           t.tokens_seconds_total),
-        "requests_processing": snapshot.slots_busy,
-        "requests_deferred": snapshot.jobs_waiting,
+        "requests_processing": sum(s.state in ("busy", "cancelling")
+                                   for s in slots[model]),
+        "requests_deferred": waiting.get(model, 0),
         "n_busy_slots_per_decode": 1.0 if t.n_decode_total else 0.0,
-    }
+    } for model, t in totals.items()}
 
 
 def render(snapshot: PoolStatus) -> bytes:
-    """The ``llamacpp:*`` block of a text exposition."""
-    by_name = values(snapshot)
+    """The ``llamacpp:*`` block of a text exposition: each series once per
+    model, labelled ``model`` (none before any worker registered)."""
+    by_model = values(snapshot)
     lines = []
     for kind, items in (("counter", COUNTERS), ("gauge", GAUGES)):
         for name, help_text in items:
             lines += [f"# HELP llamacpp:{name} {help_text}",
-                      f"# TYPE llamacpp:{name} {kind}",
-                      f"llamacpp:{name} {floatToGoString(by_name[name])}"]
+                      f"# TYPE llamacpp:{name} {kind}"]
+            lines += [f'llamacpp:{name}{{model="{_label(model)}"}} '
+                      f"{floatToGoString(by_name[name])}"
+                      for model, by_name in by_model.items()]
     return ("\n".join(lines) + "\n").encode()
+
+
+def _label(value: str) -> str:
+    """A label value in the text format's escapes (a model's name may hold
+    any character a worker's ``--model-name`` gives it)."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

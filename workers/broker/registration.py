@@ -49,7 +49,7 @@ class WorkerRegistration:
         # from us after READY (they answer older messages).
         b.to_worker(ident, messages.Heartbeat())
         if orphan is not None:
-            b.stats.job_lost()
+            b.stats.job_lost(orphan.model)
             b.fail_job(orphan, ErrorCode.WORKER_RESTARTED, "worker re-registered")
         b.log.info(
             "worker registered",

@@ -24,6 +24,11 @@ Who gets a freed slot:
   an idle worker holds best (the ledger's prefix blocks) goes first, then
   the oldest. A job is matched to a worker when a slot frees, not when it
   arrives (the Gateway API inference extension's "scheduling regret").
+
+A waiting job's frontend hears its place in line (QUEUED, in arrival order)
+when it starts to wait and again whenever it moves up, at most once a
+second (``POSITION_UPDATE_S``): a streamed request shows it to its client
+(``frontend.queued_stream``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from protocol import messages, timing
 
 #: Service counts halve this often: "recently" is the last minute or two.
 HALF_LIFE_S = 60.0
+#: How often waiters whose place in line moved up are told (QUEUED again).
+POSITION_UPDATE_S = 1.0
 #: A lease's length before any has ended, for the Retry-After of a queue.
 FIRST_LEASE_GUESS_S = 5.0
 
@@ -52,6 +59,8 @@ class Waiter:
     n_tokens: int
     since: float
     deadline: float
+    #: The place in line its frontend was last told (QUEUED).
+    told_position: int = 0
 
     @property
     def client(self) -> str:
@@ -216,6 +225,8 @@ class WaitingJobs:
         self.broker = broker
         self.room = WaitingRoom(s.queue_max, s.queue_max_tokens, s.queue_timeout_s,
                                 fair=s.queue_order == "fair")
+        #: When waiters may next be told their new places (``_tell_positions``).
+        self._positions_due = 0.0
 
     def wait(self, ident: bytes, msg: messages.Submit, raw: list[bytes],
              blocks: list[int], now: float) -> bool:
@@ -233,11 +244,14 @@ class WaitingJobs:
         waiter = self.room.admit(ident, msg, raw, blocks, now)
         if waiter is None:
             b.counters.queue_full += 1
+            self._counts(msg.request.model).queue_full += 1
             return False
         b.counters.queued += 1
+        self._counts(waiter.model).queued += 1
         b.key_accounts.on_queued(msg)
+        waiter.told_position = self.room.position(waiter)
         b.to_frontend(ident, messages.Queued(
-            msg.job_id, self.room.position(waiter), waiter.deadline - now))
+            msg.job_id, waiter.told_position, waiter.deadline - now))
         return True
 
     def serve(self, now: float) -> None:
@@ -259,15 +273,35 @@ class WaitingJobs:
                 break  # the free slots are of models nobody waits for
             slot = ledger.assign(waiter.job_id, waiter.frontend, now, waiter.blocks,
                                  waiter.model)
-            b.stats.queue_wait.observe(now - waiter.since)
+            b.stats.waited(slot.info.model, now - waiter.since)
             b.start_job(waiter.frontend, waiter.submit, waiter.raw, slot, now)
             self._left_queue(waiter.job_id, "started", now)
         for waiter in self.room.expire(now):
             self._left_queue(waiter.job_id, "expired", now)
             b.counters.queue_expired += 1
             b.counters.no_slot += 1
+            counts = self._counts(waiter.model)
+            counts.queue_expired += 1
+            counts.no_slot += 1
             b.to_frontend(waiter.frontend, messages.NoSlot(
                 waiter.job_id, self.retry_after_s(now, waiter.model)))
+        self._tell_positions(now)
+
+    def _tell_positions(self, now: float) -> None:
+        """Each waiter whose place in line moved up since its frontend was
+        told hears it (QUEUED again, with the wait it has left), so a
+        streamed waiter's client sees its progress. At most once per waiter
+        every ``POSITION_UPDATE_S``, and only on a change: a place only
+        moves up (later jobs line up behind), so a waiter hears at most its
+        first place's worth of updates, however busy the queue."""
+        if now < self._positions_due or not self.room.waiters:
+            return
+        self._positions_due = now + POSITION_UPDATE_S
+        for position, waiter in enumerate(self.room.waiters.values()):
+            if position < waiter.told_position:
+                waiter.told_position = position
+                self.broker.to_frontend(waiter.frontend, messages.Queued(
+                    waiter.job_id, position, max(0.0, waiter.deadline - now)))
 
     def retry_after_s(self, now: float, model: str = "") -> float:
         """The busy slots' estimate, plus the queue ahead (of ``model``'s
@@ -283,9 +317,11 @@ class WaitingJobs:
 
     def cancel(self, frontend: bytes, job_id: str) -> bool:
         """True if the job was waiting: it is gone, and nothing ran for it."""
-        if self.room.remove(job_id, frontend) is None:
+        waiter = self.room.remove(job_id, frontend)
+        if waiter is None:
             return False
         self.broker.counters.queue_left += 1
+        self._counts(waiter.model).queue_left += 1
         self._left_queue(job_id, "left", time.monotonic())
         return True
 
@@ -293,7 +329,25 @@ class WaitingJobs:
         gone = self.room.drop_frontend(ident)
         self.broker.counters.queue_left += len(gone)
         for waiter in gone:
+            self._counts(waiter.model).queue_left += 1
             self._left_queue(waiter.job_id, "left", time.monotonic())
+
+    def _counts(self, asked: str):
+        """The per-model totals (``PoolStats.of``) of the model a job asked
+        for, by its name ("": it named none)."""
+        b = self.broker
+        return b.stats.of((b.ledger.models.resolve(asked) or asked) if asked else "")
+
+    def with_waiting(self, models: list) -> list:
+        """``models`` (a snapshot's ``ModelStatus`` records), each with the
+        jobs waiting now for it (by its name, aliases resolved)."""
+        b = self.broker
+        counts: dict[str, int] = {}
+        for waiter in self.room.waiters.values():
+            model = b.ledger.models.resolve(waiter.model) or waiter.model
+            counts[model] = counts.get(model, 0) + 1
+        return [dataclasses.replace(m, jobs_waiting=counts.get(m.name, 0))
+                for m in models]
 
     def _left_queue(self, job_id: str, outcome: str, now: float) -> None:
         """The job left the queue (its key's count and its trace)."""

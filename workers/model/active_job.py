@@ -46,7 +46,9 @@ class ActiveJob:
         wanted_threads: Callable[[], ThreadBudget | None] = lambda: None,
     ) -> None:
         self.job_id = submit.job_id
-        self.request = submit.request
+        # The worker's own defaults (``--n-predict``, ``--temp``, ...) for
+        # what the client left out: here, before either engine sees it.
+        self.request = settings.request_defaults.fill(submit.request)
         #: The frontend's span for the job (None: not traced).
         self.trace_context = submit.trace
         self._send = send

@@ -7,6 +7,10 @@ its SUBMIT over through that slot's ``SlotPort``; cancel and credit reach the
 ``ActiveJob`` directly, as in a one-slot worker, and wake this loop
 (``ActiveJob.on_change``).
 
+An embedding job holds its slot but never joins the batch: it runs in the
+engine's embedding context on a thread of its own (one at a time, as that
+context is one), and its end comes back to this loop, which sends it.
+
 Each turn of the loop, as llama-server's ``update_slots``:
 
 1. jobs handed over since the last step join (prompt tokenised, sampler
@@ -19,10 +23,13 @@ Each turn of the loop, as llama-server's ``update_slots``:
 3. one ``llama_decode`` for the step, then each slot with an output samples
    with its own chain and handles its token (text, stop strings, budget).
 
-A slot's job ends with its terminal frame, sent by its own link, after its
-sequence was emptied: the broker may give that slot a new job at once.
-With nothing to decode (no job, or every job paused) the loop waits for a
-hand-over, credit or cancel, or the nearest stall deadline.
+A slot's job ends with its CACHE_REPORT (what its sequence and the
+worker's saved states hold now) and then its terminal frame, both sent by
+its own link: the broker may give that slot a new job at once, routed by
+what the report says. With nothing to decode (no job, or every job paused)
+the loop first saves the sequences of idle slots into the prompt-state
+cache, as a one-slot worker does between jobs, then waits for a hand-over,
+credit or cancel, or the nearest stall deadline.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from protocol import messages, worker_phase
 from protocol.errors import ErrorCode
 from protocol.lifecycle import StopSignal
 from protocol.messages import FinishReason
+from protocol.payloads import EMBEDDING
 from workers.model import crash_on_demand
 from workers.model.active_job import ActiveJob, Outgoing
 from workers.model.batch_slots import SlotJob
@@ -46,6 +54,7 @@ from workers.model.engine import GenerationResult, RequestRejected
 from workers.model.features import refuse_unsupported
 from workers.model.job_runner import JobRunner
 from workers.model.settings import WorkerSettings
+from workers.model.slot_files import SlotTask
 from workers.model.token_loop import cancelled_while_tokenizing
 from workers.model.tokenizing import TokenizeCancelled
 from workers.model.tracing import job_ended, job_trace
@@ -58,24 +67,26 @@ IDLE_WAIT_S = 0.2
 
 class SlotPort:
     """What one slot's ``WorkerLink`` sees as its runner: the engine (for
-    READY), the cache report (none), and ``submit`` into this slot."""
+    READY), the slot's last CACHE_REPORT, and ``submit`` into this slot."""
 
     def __init__(self, runner: BatchRunner, seq: int) -> None:
         self._runner = runner
         self.seq = seq
         #: The slot's link's ``send`` (set once the link exists).
         self.send: Callable[[Outgoing], None] | None = None
+        #: The last CACHE_REPORT this slot sent (replaced whole; read by
+        #: its link for a READY to a new broker, and by metrics).
+        self.cache_report: messages.CacheReport | None = None
 
     @property
     def engine(self) -> BatchedEngine | None:
         return self._runner.engine
 
-    @property
-    def cache_report(self) -> None:
-        return None
-
     def submit(self, job: ActiveJob) -> None:
         self._runner.submit_to(self.seq, job)
+
+    def submit_slot_action(self, task: SlotTask) -> None:
+        self._runner.submit_to(self.seq, task)
 
 
 class BatchRunner(JobRunner):
@@ -86,15 +97,24 @@ class BatchRunner(JobRunner):
                  load_engine: Callable[[], BatchedEngine]) -> None:
         super().__init__(settings, load_engine, send=_no_worker_messages)
         self.ports = [SlotPort(self, seq) for seq in range(settings.n_slots)]
-        self._incoming: queue.Queue[tuple[int, ActiveJob]] = queue.Queue()
+        self._incoming: queue.Queue[tuple[int, ActiveJob | SlotTask]] = (
+            queue.Queue())
         #: Set by a hand-over, credit or cancel: the loop looks again.
         self._wake = threading.Event()
         #: The running jobs, by slot (sequence id).
         self._active: dict[int, SlotJob] = {}
         self._traces: dict[int, object] = {}
+        #: A job ended since idle slots' sequences were last saved.
+        self._unsaved = False
+        #: Embedding jobs running, by slot, and their ends, from their threads.
+        self._embedding: dict[int, ActiveJob] = {}
+        self._embedded: queue.Queue[tuple[int, ActiveJob, messages.Message]] = (
+            queue.Queue())
+        self._embedder_lock = threading.Lock()
 
-    def submit_to(self, seq: int, job: ActiveJob) -> None:
-        """Hand a job to slot ``seq`` (from that slot's link thread)."""
+    def submit_to(self, seq: int, job: ActiveJob | SlotTask) -> None:
+        """Hand a job or a slot action to slot ``seq`` (from that slot's
+        link thread)."""
         job.on_change = self._wake.set
         self._incoming.put((seq, job))
         self._wake.set()
@@ -112,12 +132,15 @@ class BatchRunner(JobRunner):
         """
         self.engine = self._load_and_warm_up()
         self._phase.set(worker_phase.IDLE)
-        while not stop.is_set() or self._active:
+        while not stop.is_set() or self._active or self._embedding:
             self._wake.clear()  # before looking: a wake-up after it counts
+            self._collect_embeddings()
             self._admit(stopping=stop.is_set())
             entries = self._plan(time.monotonic())
             if entries:
                 self._step(entries)
+            elif self._unsaved and self._incoming.empty():
+                self._use_idle_time()
             else:
                 self._wait()
         self._admit(stopping=True)
@@ -132,7 +155,10 @@ class BatchRunner(JobRunner):
                 return
             if stopping:
                 job.ended_by_shutdown = True
-            self._join(seq, job)
+            if isinstance(job, SlotTask):
+                self._run_slot_action(seq, job)
+            else:
+                self._join(seq, job)
 
     def _join(self, seq: int, job: ActiveJob) -> None:
         trace = job_trace(job)
@@ -146,6 +172,9 @@ class BatchRunner(JobRunner):
                 raise RequestRejected(ErrorCode.WORKER_SHUTDOWN,
                                       "the worker is shutting down")
             refuse_unsupported(job.request, self.engine.name, self.engine.features)
+            if job.request.kind == EMBEDDING:
+                self._start_embedding(seq, job)
+                return
             slot = self.engine.start(seq, job)
         except RequestRejected as exc:
             self._send_end(seq, job, messages.Error(
@@ -161,10 +190,55 @@ class BatchRunner(JobRunner):
                 job.job_id, ErrorCode.ENGINE_ERROR, "generation failed"))
             return
         self._active[seq] = slot
-        self.busy = True
-        self._show_phase()
+        self._set_busy()
         if slot.max_tokens <= 0:
             self._end(slot, FinishReason.LENGTH)
+
+    def _run_slot_action(self, seq: int, task: SlotTask) -> None:
+        """A slot action on slot ``seq``'s sequence, between two steps (the
+        broker leased the slot for it: no job runs there)."""
+        done = self.slot_files.run(task, _OneSlot(self.engine, seq))
+        self._send_cache_report(seq)
+        self.ports[seq].send(Outgoing(task, done))
+
+    # --- embeddings, beside the batch ---------------------------------------------
+
+    def _start_embedding(self, seq: int, job: ActiveJob) -> None:
+        self._embedding[seq] = job
+        self._set_busy()
+        threading.Thread(target=self._embed, args=(seq, job),
+                         name=f"embedding-{seq}", daemon=True).start()
+
+    def _embed(self, seq: int, job: ActiveJob) -> None:
+        """An embedding job's thread: run it in the embedding context (a
+        credit wait blocks only this thread) and hand its end to the loop."""
+        started = time.perf_counter()
+        try:
+            with self._embedder_lock:
+                result = self.engine.embedder.run(job.request, job)
+            msg = self._terminal(job, result)
+        except RequestRejected as exc:
+            msg = messages.Error(job.job_id, exc.code, exc.message,
+                                 exc.n_prompt_tokens, exc.n_ctx)
+        except TokenizeCancelled:
+            msg = self._terminal(job, cancelled_while_tokenizing(started))
+        except Exception:
+            log.exception("embedding job %s failed", job.job_id)
+            msg = messages.Error(job.job_id, ErrorCode.ENGINE_ERROR,
+                                 "generation failed")
+        self._embedded.put((seq, job, msg))
+        self._wake.set()
+
+    def _collect_embeddings(self) -> None:
+        while True:
+            try:
+                seq, job, msg = self._embedded.get_nowait()
+            except queue.Empty:
+                return
+            self._embedding.pop(seq, None)
+            self._set_busy()
+            self._send_cache_report(seq)
+            self._send_end(seq, job, msg)
 
     # --- one step -----------------------------------------------------------------
 
@@ -218,6 +292,11 @@ class BatchRunner(JobRunner):
             try:
                 token = self.engine.sample(slot, index)
                 finish = slot.take(token)
+            except RequestRejected as exc:  # its grammar passed its budget
+                self._release(slot)
+                self._send_end(slot.seq, slot.job, messages.Error(
+                    slot.job.job_id, exc.code, exc.message))
+                continue
             except Exception as exc:
                 log.exception("job %s failed in the engine", slot.job.job_id)
                 self._fail(slot, exc)
@@ -245,21 +324,51 @@ class BatchRunner(JobRunner):
         self._send_end(slot.seq, slot.job, self._terminal(slot.job, result))
 
     def _fail(self, slot: SlotJob, exc: Exception) -> None:
-        self._release(slot)
+        self._release(slot, forget=True)
         self._send_end(slot.seq, slot.job, messages.Error(
             slot.job.job_id, ErrorCode.ENGINE_ERROR, "generation failed"))
 
-    def _release(self, slot: SlotJob) -> None:
-        """Empty the slot's sequence before its terminal frame: the broker
-        may hand the slot a new job as soon as it passes that frame on."""
+    def _release(self, slot: SlotJob, forget: bool = False) -> None:
+        """The slot is free: its sequence stays for the next job to reuse
+        (emptied if ``forget``: a failed decode left it unknown), and its
+        CACHE_REPORT goes before its terminal frame, since the broker may
+        route the slot's next job as soon as it passes that frame on."""
         self._active.pop(slot.seq, None)
         slot.close()
+        if forget:
+            try:
+                self.engine.forget(slot.seq)
+            except Exception:
+                log.exception("emptying sequence %d failed", slot.seq)
+        self._unsaved = True
+        self._set_busy()
+        self._send_cache_report(slot.seq)
+
+    def _use_idle_time(self) -> None:
+        """Nothing to decode: save idle slots' sequences (which the next job
+        that moves away from one would otherwise save in its own time to
+        first token); every slot reports the cache's new states."""
+        self._unsaved = False
+        idle = [seq for seq in range(len(self.ports))
+                if seq not in self._active and seq not in self._embedding]
         try:
-            self.engine.release(slot.seq)
-        except Exception:
-            log.exception("emptying sequence %d failed", slot.seq)
-        self.busy = bool(self._active)
-        self._show_phase()
+            changed = self.engine.save_idle(idle)
+        except Exception:  # the worker serves on; the next job saves lazily
+            log.exception("saving idle slots' sequences failed")
+            return
+        if changed:
+            for seq in range(len(self.ports)):
+                self._send_cache_report(seq)
+
+    def _send_cache_report(self, seq: int) -> None:
+        try:
+            states, status = self.engine.report(seq)
+        except Exception:  # never lose the job's terminal frame over it
+            log.exception("building slot %d's prompt-cache report failed", seq)
+            return
+        port = self.ports[seq]
+        port.cache_report = messages.CacheReport(states, status)
+        port.send(Outgoing(None, port.cache_report))
 
     @staticmethod
     def _terminal(job: ActiveJob, result: GenerationResult) -> messages.Message:
@@ -284,15 +393,25 @@ class BatchRunner(JobRunner):
             trace.end(msg)
         self.ports[seq].send(Outgoing(job, msg))
 
-    def _show_phase(self) -> None:
-        """The phase file names every running job (a crash takes them all)."""
+    def _set_busy(self) -> None:
+        """``busy`` and the phase file: the phase names every running job
+        (a crash takes them all)."""
+        self.busy = bool(self._active or self._embedding)
         ids = [s.job.job_id for s in self._active.values()]
+        ids += [job.job_id for job in self._embedding.values()]
         self._phase.set(worker_phase.job_phase(",".join(ids)) if ids
                         else worker_phase.IDLE)
 
 
+class _OneSlot:
+    """What ``SlotFiles.run`` acts on: one slot's sequence and the saved
+    states it shares with the worker's other slots."""
+
+    def __init__(self, engine: BatchedEngine, seq: int) -> None:
+        self.slot_reuse = engine.reuse[seq]
+
+
 def _no_worker_messages(out: Outgoing) -> None:
-    """A batched engine keeps no prompt cache: nothing worker-wide to say
-    but through a slot's link."""
+    """Every message of a batched worker goes through a slot's link."""
     raise TypeError(f"a batched worker sent {type(out.message).__name__} "
                     "outside a slot")

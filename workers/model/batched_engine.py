@@ -11,12 +11,19 @@ slot, then prompt chunks for the slots still prefilling, at most
 batch. Each slot with an output position then samples from its own logits
 with its own sampler chain.
 
-What a one-slot worker does and this engine does not (yet), refused up
-front by ``features`` (``workers.model.features``), never ignored: grammar,
-logit bias, logprobs, tools and embeddings. It keeps no prompt states and
-reuses no KV prefix: each job's sequence is emptied when it ends, and every
-prompt is decoded from its first token (``cached_tokens`` 0, no
-CACHE_REPORT, so the broker routes by idleness alone).
+Per slot, everything a one-slot engine does: grammar, logit bias and bans,
+log-probabilities, tools and forced calls (``job_sampling``, shared with
+the one-slot engine), embeddings, and prompt reuse. An embedding job holds
+its slot like any job and runs in the worker's second, embedding context
+(``workers.model.embedding``, as in a one-slot worker), on a thread of its
+own beside the batch (``batch_runner``), so the other slots keep decoding. A slot's sequence keeps what
+its last job left (``kv_sequence.SlotSequence``); a new job reuses its
+longest prefix, or restores a saved state from the worker's one
+prompt-state cache, by the one-slot engine's own rules (``prompt_reuse``,
+``kv_cache``). Each slot reports its sequence and the cache's saved states
+in its own CACHE_REPORT, so the broker's prefix routing picks the slot, not
+just the worker. The cache's figures go out on slot 0 only, so that sums
+over slots (``/metrics``) count the worker's one cache once.
 """
 
 from __future__ import annotations
@@ -29,19 +36,31 @@ import llama_cpp
 
 from protocol import defaults
 from protocol.payloads import GenerationRequest
+from protocol.prompt_cache import PromptCacheStatus
 from workers.model import llama_internals
 from workers.model.active_job import ActiveJob
 from workers.model.batch_slots import SlotJob
+from workers.model.embedding import DEFAULT_EMBEDDING_BATCH_TOKENS, Embedder
 from workers.model.engine import token_budget
-from workers.model.features import Feature
+from workers.model.features import ALL_FEATURES, Feature
+from workers.model.job_sampling import (
+    job_detokenizer,
+    request_logits,
+    with_call_grammar,
+)
+from workers.model.kv_sequence import SlotSequence
 from workers.model.llama_engine import (
     CTX_GRANULARITY,
     REPACK_DEFAULT,
     WARM_UP_TEXT,
     WARM_UP_TOKENS,
     gpu_placement,
+    model_identity,
     prompt_tokens,
 )
+from workers.model.logits import RequestLogits
+from workers.model.prompt_cache import MIB, PromptStateCache
+from workers.model.prompt_reuse import PromptReuse
 from workers.model.prompting import PromptBuilder
 from workers.model.weight_repack import RepackChoice
 
@@ -56,10 +75,8 @@ class BatchedEngine:
     """K slots of one ``llama_cpp.Llama`` context, decoded together."""
 
     name = "batched llama.cpp"
-    #: Nothing beyond text with stop strings, max_tokens, sampling and
-    #: ignore_eos: a request for grammar, logit bias, logprobs, tools or
-    #: embeddings is refused with ``unsupported_field``.
-    features: frozenset[Feature] = frozenset()
+    #: All a one-slot engine has.
+    features: frozenset[Feature] = ALL_FEATURES
 
     def __init__(
         self,
@@ -74,6 +91,8 @@ class BatchedEngine:
         n_gpu_layers: int = 0,
         flash_attn: bool = False,
         repack: RepackChoice = REPACK_DEFAULT,
+        cache_ram_mib: int = 0,
+        embedding_batch_tokens: int = DEFAULT_EMBEDDING_BATCH_TOKENS,
     ) -> None:
         per_slot = -(-n_ctx // CTX_GRANULARITY) * CTX_GRANULARITY
         self.llama = llama_internals.BatchLlama(
@@ -89,7 +108,6 @@ class BatchedEngine:
             verbose=False,
         )
         self._ctx = llama_internals.context_handle(self.llama)
-        self._mem = llama_internals.memory(self.llama)
         self.n_slots = n_slots
         self.n_batch = n_batch
         #: Tokens per slot (each sequence's share of the KV cache).
@@ -99,18 +117,27 @@ class BatchedEngine:
         self.model_name = model_name or os.path.basename(model_path)
         self._vocab = llama_internals.vocab_handle(self.llama)
         self.prompts = PromptBuilder(self.llama, chat_format)
+        #: Embedding jobs' context, made on the first one.
+        self.embedder = Embedder(self.llama, self.prompts, n_threads=n_threads,
+                                 batch_tokens=embedding_batch_tokens)
         self._batch = llama_internals.new_batch(n_batch)
         self._eog_ids = [t for t in range(self.llama.n_vocab())
                          if llama_cpp.llama_vocab_is_eog(self._vocab, t)]
+        #: Saved prompt states, any slot's, restorable into any slot.
+        self.cache = PromptStateCache(cache_ram_mib * MIB, model_identity(model_path))
+        self.reuse = [PromptReuse(SlotSequence(self.llama, seq, self.n_ctx),
+                                  self.cache) for seq in range(n_slots)]
 
     # --- a job joins ------------------------------------------------------------
 
     def start(self, seq: int, job: ActiveJob) -> SlotJob:
-        """The job in slot ``seq``, its prompt tokenised and its sampler made;
-        its sequence is empty (the last job's was emptied when it ended).
+        """The job in slot ``seq``: its prompt tokenised, its sequence
+        trimmed to the prefix it reuses (or a saved state restored), its
+        sampler made.
 
         Raises:
-            RequestRejected: see ``prompt_tokens`` and ``token_budget``.
+            RequestRejected: see ``prompt_tokens``, ``token_budget``,
+                ``with_call_grammar`` and ``request_logits``.
             TokenizeCancelled: cancelled while its prompt was tokenised.
         """
         started = time.perf_counter()
@@ -118,28 +145,42 @@ class BatchedEngine:
         prompt, extra_stops = prompt_tokens(self.llama, self.prompts, self.n_ctx,
                                             request, job.should_stop)
         max_tokens = token_budget(len(prompt), self.n_ctx, request.max_tokens)
+        request = with_call_grammar(self.prompts, request)
+        logits = request_logits(request, self.prompts, vocab=self._vocab,
+                                n_vocab=self.llama.n_vocab(), eog_ids=self._eog_ids)
+        try:
+            sampler = self._sampler(request, logits)
+        except BaseException:
+            logits.close()
+            raise
+        reuse = self.reuse[seq]
+        plan = reuse.prepare(prompt, reuse=request.cache_prompt,
+                             tenant=request.cache_tenant)
         return SlotJob(
-            seq, job, list(prompt), request.stop + extra_stops, max_tokens,
-            self._sampler(request), self._vocab, started,
+            reuse.sequence, job, list(prompt), request.stop + extra_stops,
+            max_tokens, sampler, logits,
+            job_detokenizer(self._vocab, self.prompts, request), self._vocab,
+            started, cached_tokens=plan.cached_tokens,
             timings_per_token=request.timings_per_token,
             context_limited=len(prompt) + max_tokens >= self.n_ctx)
 
-    def _sampler(self, request: GenerationRequest):
+    def _sampler(self, request: GenerationRequest, logits: RequestLogits):
         """The request's own sampler chain, as ``Llama.generate`` makes it
-        (the same samplers in the same order, its seed, ignore_eos as
-        llama.cpp's logit-bias sampler)."""
+        (the same samplers in the same order, its seed, the request's logits
+        processors first, then llama.cpp's logit-bias sampler for what
+        ``RequestLogits`` leaves to it)."""
         sampling = request.sampling
         self.llama.set_seed(llama_cpp.LLAMA_DEFAULT_SEED if sampling.seed is None
                             else sampling.seed)
-        self.llama.logit_bias = (dict.fromkeys(self._eog_ids, float("-inf"))
-                                 if sampling.ignore_eos else {})
+        self.llama.logit_bias = logits.native_bias
         try:
             return llama_internals.sampler_chain(
                 self.llama,
                 top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
                 temp=sampling.temperature, repeat_penalty=sampling.repeat_penalty,
                 frequency_penalty=sampling.frequency_penalty,
-                presence_penalty=sampling.presence_penalty)
+                presence_penalty=sampling.presence_penalty,
+                logits_processor=logits.processor_list())
         finally:
             self.llama.logit_bias = {}
 
@@ -158,7 +199,7 @@ class BatchedEngine:
         n = 0
         last_index = []
         for slot, tokens, wants_logits in entries:
-            seq, pos = slot.seq, slot.n_past
+            seq, pos = slot.sequence.seq, slot.sequence.n_known
             for i, token in enumerate(tokens):
                 batch.token[n] = token
                 batch.pos[n] = pos + i
@@ -173,7 +214,7 @@ class BatchedEngine:
         if rc != 0:
             raise DecodeFailed(f"llama_decode returned {rc} for {n} tokens")
         for slot, tokens, _ in entries:
-            slot.n_past += len(tokens)
+            slot.sequence.extend(tokens)
         return last_index
 
     def sample(self, slot: SlotJob, index: int) -> int:
@@ -181,9 +222,24 @@ class BatchedEngine:
         chain accepts the token, for its penalties)."""
         return llama_cpp.llama_sampler_sample(slot.sampler.sampler, self._ctx, index)
 
-    def release(self, seq: int) -> None:
-        """Empty sequence ``seq`` (its job ended)."""
-        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+    def forget(self, seq: int) -> None:
+        """Empty sequence ``seq``: a failed decode left it unknown."""
+        self.reuse[seq].clear_live()
+
+    def report(self, seq: int) -> tuple[list[list[int]], PromptCacheStatus]:
+        """Slot ``seq``'s CACHE_REPORT: its sequence, then the saved states;
+        the cache's figures on slot 0 only."""
+        status = self.cache.status() if seq == 0 else PromptCacheStatus()
+        return self.reuse[seq].reported_blocks(), status
+
+    def save_idle(self, seqs) -> bool:
+        """Save the sequences of idle slots ``seqs`` (between steps, nothing
+        to decode), as a one-slot engine does between jobs; True if the
+        cache changed."""
+        changed = False
+        for seq in seqs:
+            changed |= self.reuse[seq].save_live()
+        return changed
 
     # --- the worker's lifecycle -------------------------------------------------
 
@@ -193,7 +249,7 @@ class BatchedEngine:
         steps of all of them; then every sequence is emptied."""
         prompt = self.llama.tokenize(WARM_UP_TEXT, add_bos=True, special=False)
         prompt = prompt[:max(1, self.n_batch // self.n_slots)]
-        slots = [_WarmUpSlot(seq) for seq in range(self.n_slots)]
+        slots = [_WarmUpSlot(reuse.sequence) for reuse in self.reuse]
         sampler = llama_cpp.llama_sampler_init_greedy()
         try:
             entries = [(s, prompt, True) for s in slots]
@@ -203,20 +259,12 @@ class BatchedEngine:
                             True) for s, i in zip(slots, indices, strict=True)]
         finally:
             llama_cpp.llama_sampler_free(sampler)
-            llama_cpp.llama_memory_clear(self._mem, True)
-
-    def idle(self) -> bool:
-        """Nothing to do between jobs: no prompt states are kept."""
-        return False
-
-    def prompt_cache_report(self) -> None:
-        """No prompt cache: no CACHE_REPORT."""
-        return None
+            for reuse in self.reuse:
+                reuse.clear_live()
 
 
 class _WarmUpSlot:
-    """A sequence in the warm-up: where it is, as ``decode`` reads it."""
+    """A sequence in the warm-up, as ``decode`` reads it."""
 
-    def __init__(self, seq: int) -> None:
-        self.seq = seq
-        self.n_past = 0
+    def __init__(self, sequence: SlotSequence) -> None:
+        self.sequence = sequence

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import zmq
 
+from protocol import messages
 from protocol.broker_list import split_endpoints
 from protocol.curve import client_keys
 from protocol.lifecycle import ServiceNotifier, SilentNotifier, StopSignal
@@ -88,8 +89,9 @@ class BatchedWorker:
         return self.runner.busy
 
     @property
-    def cache_report(self) -> None:
-        return None
+    def cache_report(self) -> messages.CacheReport | None:
+        """Slot 0's last report: the one with the worker's cache figures."""
+        return self.runner.ports[0].cache_report
 
     @property
     def malformed_dropped(self) -> int:

@@ -5,7 +5,8 @@ requests it takes (issue 30): ``completion`` and ``chat`` always (a model
 without a chat template is rendered in llama-cpp-python's fallback format),
 ``tools`` when its chat template renders them (``PromptBuilder``),
 ``embeddings`` when the engine has the feature, ``infill`` when the
-vocabulary has the fill-in-the-middle tokens (llama.cpp's own test).
+vocabulary has the fill-in-the-middle tokens (llama.cpp's own test),
+``rerank`` when the model has a rank head (``workers.model.rerank``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def engine_capabilities(engine: Engine) -> list[str]:
         caps.append("tools")
     if Feature.EMBEDDINGS in getattr(engine, "features", ()):
         caps.append("embeddings")
+        embedder = getattr(engine, "embedder", None)
+        if embedder is not None and embedder.ranks:
+            caps.append("rerank")
     if prompts is not None:
         from workers.model.infill import fim_problem
 

@@ -14,7 +14,9 @@ so a pool that never embeds never pays for it.
 Pooling: the model's own if it has one, else mean (the usual choice for a
 causal LM's sentence vector). Normalisation follows llama.cpp's
 ``common_embd_normalize`` (``embd_normalize``, default 2: unit Euclidean
-length).
+length). A model with a rank head (pooling rank) is mean-pooled here, and
+its rerank jobs (``workers.model.rerank``) get a context of their own with
+pooling rank, made on the first one.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from protocol.payloads import EmbeddingInput, GenerationRequest
 from workers.model import llama_internals
 from workers.model.engine import GenerationResult, JobSink, RequestRejected
 from workers.model.prompting import PromptBuilder
+from workers.model.rerank import rank_job
 from workers.model.token_loop import EmbeddingLoop, cancelled_while_tokenizing
 from workers.model.tokenizing import PromptTooLong, TokenizeCancelled
 
@@ -80,25 +83,46 @@ class Embedder:
         self._n_threads = n_threads
         self.batch_tokens = batch_tokens
         self._ctx: llama_internals.LlamaContext | None = None
+        #: Rerank jobs' context (pooling rank), made on the first one: a
+        #: rank head's output is its labels' scores, not a vector.
+        self._rank_ctx: llama_internals.LlamaContext | None = None
         self._batch: llama_internals.LlamaBatch | None = None
         self.n_embd = llama.n_embd()
+        #: The model has a rank head (its GGUF's pooling type is rank, as
+        #: llama.cpp's converter writes for a reranker): it takes rerank jobs.
+        self.ranks = llama.pooling_type() == llama_cpp.LLAMA_POOLING_TYPE_RANK
 
-    def _context(self) -> llama_internals.LlamaContext:
-        if self._ctx is None:
+    @property
+    def llama(self) -> llama_cpp.Llama:
+        return self._llama
+
+    @property
+    def prompts(self) -> PromptBuilder:
+        return self._prompts
+
+    def _context(self, rank: bool = False) -> llama_internals.LlamaContext:
+        ctx = self._rank_ctx if rank else self._ctx
+        if ctx is None:
             params = llama_cpp.llama_context_default_params()
             params.n_ctx = params.n_batch = params.n_ubatch = self.batch_tokens
             params.n_seq_max = 1
             params.embeddings = True
             model_pooling = self._llama.pooling_type()
             params.pooling_type = (
-                model_pooling if model_pooling > llama_cpp.LLAMA_POOLING_TYPE_NONE
+                llama_cpp.LLAMA_POOLING_TYPE_RANK if rank
+                else model_pooling if model_pooling > llama_cpp.LLAMA_POOLING_TYPE_NONE
                 and model_pooling != llama_cpp.LLAMA_POOLING_TYPE_RANK
                 else llama_cpp.LLAMA_POOLING_TYPE_MEAN)
             threads = self._llama.context_params.n_threads
             params.n_threads = params.n_threads_batch = self._n_threads or threads
-            self._ctx = llama_internals.new_context(self._llama, params)
-            self._batch = llama_internals.new_batch(self.batch_tokens)
-        return self._ctx
+            ctx = llama_internals.new_context(self._llama, params)
+            if rank:
+                self._rank_ctx = ctx
+            else:
+                self._ctx = ctx
+            if self._batch is None:
+                self._batch = llama_internals.new_batch(self.batch_tokens)
+        return ctx
 
     def tokens_of(self, i: int, item: EmbeddingInput,
                   should_stop: Callable[[], bool]) -> list[int]:
@@ -147,9 +171,21 @@ class Embedder:
         raw = np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
         return normalize(raw, normalize_mode)
 
+    def score(self, tokens: list[int]) -> float:
+        """One query-document sequence's relevance: the rank head's first
+        output, as llama.cpp's server reads it (``send_rerank``)."""
+        ctx = self._context(rank=True)
+        llama_internals.decode_alone(ctx, self._batch, tokens)
+        ptr = llama_internals.pooled_embedding(ctx)
+        if not ptr:
+            raise RuntimeError("llama.cpp returned no rank score")
+        return float(ptr[0])
+
     def run(self, request: GenerationRequest, sink: JobSink) -> GenerationResult:
         """Emit one frame per input, in order; refuse before any decode if an
         input is empty or too large, so the client gets a 400."""
+        if request.rerank_query is not None:
+            return rank_job(self, request, sink)
         started = time.perf_counter()
         if request.dimensions is not None and request.dimensions != self.n_embd:
             raise RequestRejected(

@@ -35,6 +35,8 @@ def load_engine(settings: WorkerSettings) -> Engine:
             n_gpu_layers=settings.gpu_layers,
             flash_attn=settings.flash_attn == "on",
             repack=repack_enabled(settings.repack),
+            cache_ram_mib=settings.cache_ram_mib,
+            embedding_batch_tokens=settings.embedding_batch_tokens,
         )
     from workers.model.llama_engine import LlamaEngine
 

@@ -49,6 +49,12 @@ def refuse_unsupported(request: GenerationRequest, engine_name: str,
                        features: frozenset[Feature]) -> None:
     """Raise ``RequestRejected`` (unsupported_field) naming the first feature
     the request needs and the engine lacks."""
+    if request.rerank_query is not None and request.kind != EMBEDDING:
+        # A peer's field that only an embedding job reads: refused, not
+        # ignored (``workers.model.rerank``).
+        raise RequestRejected(ErrorCode.UNSUPPORTED_FIELD,
+                              f"'rerank_query' is for an embedding job, not "
+                              f"{request.kind}")
     for feature in features_needed(request):
         if feature not in features:
             raise RequestRejected(

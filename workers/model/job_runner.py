@@ -24,6 +24,7 @@ from workers.model.crash_on_demand import crash_if_asked
 from workers.model.engine import Engine, RequestRejected
 from workers.model.features import refuse_unsupported
 from workers.model.settings import WorkerSettings
+from workers.model.slot_files import SlotFiles, SlotTask
 from workers.model.tracing import job_ended, job_trace
 
 log = logging.getLogger("llamapool.worker")
@@ -61,10 +62,19 @@ class JobRunner:
         #: The last CACHE_REPORT built (replaced whole; read by the link
         #: thread, for a READY to a new broker, and by metrics).
         self.cache_report: messages.CacheReport | None = None
+        #: llama-server's slot actions (``--slot-save-path``); raises
+        #: ``ConfigError`` if the directory cannot be made.
+        self.slot_files = SlotFiles(settings.slot_save_path)
 
     def submit(self, job: ActiveJob) -> None:
         """Hand a job over (from the link thread)."""
         self._jobs.put(job)
+
+    def submit_slot_action(self, task: SlotTask) -> None:
+        """Hand a slot action over (from the link thread): it runs in turn
+        with jobs, in this thread, which owns the KV cache. A runner without
+        this method has no slot actions (the link says so)."""
+        self._jobs.put(task)
 
     def run(self, stop: StopSignal) -> None:
         """Load the engine, then run jobs until ``stop`` is set; a job handed
@@ -120,7 +130,10 @@ class JobRunner:
         log.info("warm-up done in %.0f ms", (time.monotonic() - started) * 1000)
         return engine
 
-    def _run_job(self, job: ActiveJob) -> None:
+    def _run_job(self, job: ActiveJob | SlotTask) -> None:
+        if isinstance(job, SlotTask):
+            self._run_slot_action(job)
+            return
         self.busy = True
         trace = job_trace(job)  # None when tracing is off or the job untraced
         self._phase.set(worker_phase.job_phase(job.job_id))
@@ -142,6 +155,20 @@ class JobRunner:
             job_ended()
             trace.end(msg)
         self._send(Outgoing(job, msg))
+        self._phase.set(worker_phase.IDLE)
+
+    def _run_slot_action(self, task: SlotTask) -> None:
+        self.busy = True
+        self._phase.set(worker_phase.job_phase(task.job_id))
+        done = self.slot_files.run(task, self.engine)
+        self.busy = False
+        if not done.code:
+            log.info("slot %s: %d tokens, %d bytes in %.1f ms", task.action.action,
+                     done.n_tokens, done.n_bytes, done.ms)
+        # Before SLOT_DONE, as after a job: routing and /slots see the
+        # restored or erased sequence when the slot is free again.
+        self._send_cache_report()
+        self._send(Outgoing(task, done))
         self._phase.set(worker_phase.IDLE)
 
     def _generate(self, job: ActiveJob) -> messages.Message:

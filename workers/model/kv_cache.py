@@ -1,4 +1,4 @@
-"""Prompt-prefix reuse for one ``llama_cpp.Llama`` and its KV cache.
+"""Prompt-prefix reuse for one KV sequence (``workers.model.kv_sequence``).
 
 ``Llama.generate(reset=True)`` already matches the new prompt against the
 tokens it evaluated last time, but it trusts its own bookkeeping
@@ -11,7 +11,9 @@ only when a memory type cannot drop a tail (recurrent / hybrid models) or an
 SWA cache has already evicted what the suffix would attend to do we clear
 everything. The caller then runs ``generate(plan.tokens, reset=plan.reset)``.
 
-Sequence id 0 is the only one ``Llama`` uses.
+A one-slot engine's sequence is ``Llama``'s (id 0, its record
+``input_ids``/``n_tokens``); a batched engine's slot has its own sequence id
+and record in the shared context. The rules are the same for both.
 
 Tokens say nothing of whose prompt they were: the tenant check comes first,
 in ``prompt_reuse.PromptReuse.prepare``, which passes ``reuse=False`` here
@@ -27,8 +29,9 @@ from collections.abc import Sequence
 import llama_cpp
 
 from workers.model import llama_internals
+from workers.model.kv_sequence import LlamaSequence, SlotSequence
 
-_SEQ = 0
+KvSequence = LlamaSequence | SlotSequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,33 +52,35 @@ class ReusePlan:
     cached_tokens: int
 
 
-def reusable_prefix(llama: llama_cpp.Llama, prompt: Sequence[int]) -> int:
+def reusable_prefix(sequence: KvSequence, prompt: Sequence[int]) -> int:
     """Count the leading prompt tokens the KV cache can serve, without changes.
 
     Always leaves at least one prompt token to evaluate. Useful for routing a
     request to the worker whose cache holds the longest prefix.
 
     Args:
-        llama: The model whose cache to inspect.
+        sequence: The sequence whose cache to inspect.
         prompt: Full prompt token ids.
 
     Returns:
         Number of prompt tokens that need no evaluation (0 if none).
     """
+    llama = sequence.llama
     mem = llama_internals.memory(llama)
     if mem is None or len(prompt) < 2:
         return 0
-    pos_min = llama_cpp.llama_memory_seq_pos_min(mem, _SEQ)
-    pos_max = llama_cpp.llama_memory_seq_pos_max(mem, _SEQ)
+    pos_min = llama_cpp.llama_memory_seq_pos_min(mem, sequence.seq)
+    pos_max = llama_cpp.llama_memory_seq_pos_max(mem, sequence.seq)
     # Python's record can outrun the cache (an eval that raised after
     # llama_decode, input_ids shorter than the padded context, ...): only
     # positions present in both count.
-    known = min(llama.n_tokens, pos_max + 1, len(llama.input_ids))
+    ids = sequence.ids
+    known = min(sequence.n_known, pos_max + 1, len(ids))
     # The last prompt token is re-evaluated so sampling sees live logits.
     limit = min(known, len(prompt) - 1)
     if limit <= 0:
         return 0
-    cached = llama.input_ids[:limit]
+    cached = ids[:limit]
     mismatch = (cached != prompt[:limit]).nonzero()[0]
     keep = int(mismatch[0]) if len(mismatch) else limit
     if keep > 0 and pos_min > 0:
@@ -88,16 +93,16 @@ def reusable_prefix(llama: llama_cpp.Llama, prompt: Sequence[int]) -> int:
     return keep
 
 
-def plan_reuse(llama: llama_cpp.Llama, prompt: Sequence[int],
+def plan_reuse(sequence: KvSequence, prompt: Sequence[int],
                reuse: bool = True) -> ReusePlan:
-    """Trim the KV cache to the longest reusable prefix of ``prompt``.
+    """Trim the sequence to the longest reusable prefix of ``prompt``.
 
     Call right before ``generate``; afterwards run
     ``llama.generate(plan.tokens, reset=plan.reset, ...)``. Safe after a
     generation that was stopped early, streamed, or ended with an error.
 
     Args:
-        llama: The model whose cache to prepare.
+        sequence: The sequence to prepare.
         prompt: Full prompt token ids (non-empty).
         reuse: False (a request's ``cache_prompt: false``): clear the cache
             and evaluate the whole prompt.
@@ -111,14 +116,13 @@ def plan_reuse(llama: llama_cpp.Llama, prompt: Sequence[int],
     prompt = [int(t) for t in prompt]
     if not prompt:
         raise ValueError("empty prompt")
-    mem = llama_internals.memory(llama)
-    keep = reusable_prefix(llama, prompt) if reuse else 0
+    mem = llama_internals.memory(sequence.llama)
+    keep = reusable_prefix(sequence, prompt) if reuse else 0
     # seq_rm returns False when the memory cannot drop a tail (recurrent
     # state); then nothing is reusable.
-    if keep > 0 and not llama_cpp.llama_memory_seq_rm(mem, _SEQ, keep, -1):
+    if keep > 0 and not llama_cpp.llama_memory_seq_rm(mem, sequence.seq, keep, -1):
         keep = 0
     if keep == 0:
-        if mem is not None:
-            llama_cpp.llama_memory_clear(mem, True)
-    llama_internals.set_evaluated(llama, keep)
+        sequence.clear()
+    sequence.set_known(keep)
     return ReusePlan(tokens=prompt[keep:], reset=False, cached_tokens=keep)

@@ -12,8 +12,6 @@ budget followed between tokens.
 
 from __future__ import annotations
 
-import dataclasses
-
 import logging
 import os
 import time
@@ -22,10 +20,8 @@ import llama_cpp
 
 from protocol import defaults
 from protocol.errors import ErrorCode
-from protocol.messages import FinishReason
 from protocol.payloads import EMBEDDING, GenerationRequest, GpuPlacement
 from workers.model import llama_internals
-from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.embedding import DEFAULT_EMBEDDING_BATCH_TOKENS, Embedder
 from workers.model.engine import (
     GenerationResult,
@@ -34,9 +30,15 @@ from workers.model.engine import (
     token_budget,
 )
 from workers.model.features import ALL_FEATURES
-from workers.model.grammar import GrammarError
+from workers.model.job_sampling import (
+    job_detokenizer,
+    request_logits,
+    token_taker,
+    with_call_grammar,
+)
+from workers.model.kv_sequence import LlamaSequence
 from workers.model.llama_internals import EngineLlama
-from workers.model.logits import MAX_BIASED_TOKENS, BiasError, RequestLogits
+from workers.model.logits import RequestLogits
 from workers.model.prompt_cache import MIB, PromptStateCache
 from workers.model.prompt_reuse import PromptReuse
 from workers.model.prompting import PromptBuilder, PromptError, ToolsUnsupported
@@ -165,7 +167,7 @@ class LlamaEngine:
                                  batch_tokens=embedding_batch_tokens)
         #: Saved prompt states (``--cache-ram``), and the one place that
         #: decides what a prompt starts from.
-        self.reuse = PromptReuse(self.llama, PromptStateCache(
+        self.reuse = PromptReuse(LlamaSequence(self.llama), PromptStateCache(
             cache_ram_mib * MIB, model_identity(model_path)))
         # Token ids that end generation (EOS, EOT, ...). ignore_eos bans them.
         self._eog_ids = [
@@ -200,18 +202,12 @@ class LlamaEngine:
             return cancelled_while_tokenizing(started)
         max_tokens = token_budget(len(prompt), self.n_ctx, request.max_tokens)
 
-        request = self._with_call_grammar(request)
+        request = with_call_grammar(self.prompts, request)
         sampling = request.sampling
         self.llama.set_seed(llama_cpp.LLAMA_DEFAULT_SEED if sampling.seed is None
                             else sampling.seed)
-        try:
-            logits = RequestLogits(
-                request, vocab=self._vocab, n_vocab=self.llama.n_vocab(),
-                eog_ids=self._eog_ids, tokenize=self._tokenize_bias)
-        except GrammarError as exc:
-            raise RequestRejected(ErrorCode.INVALID_GRAMMAR, str(exc)) from None
-        except BiasError as exc:
-            raise RequestRejected(ErrorCode.UNSUPPORTED_FIELD, str(exc)) from None
+        logits = request_logits(request, self.prompts, vocab=self._vocab,
+                                n_vocab=self.llama.n_vocab(), eog_ids=self._eog_ids)
         try:
             return self._generate(request, sink, prompt, extra_stops, max_tokens,
                                   logits, started)
@@ -223,20 +219,6 @@ class LlamaEngine:
         """The call format of this model's template (FINAL's ``tool_format``)."""
         fmt = self.prompts.tool_format
         return fmt.name if fmt is not None else ""
-
-    def _with_call_grammar(self, request: GenerationRequest) -> GenerationRequest:
-        """A forced call's grammar, in the model's own call format."""
-        if not request.force_call:
-            return request
-        try:
-            grammar = self.prompts.call_grammar(request)
-        except ToolsUnsupported as exc:
-            raise RequestRejected(ErrorCode.TOOLS_UNSUPPORTED, str(exc)) from None
-        except GrammarError as exc:
-            raise RequestRejected(ErrorCode.INVALID_GRAMMAR, str(exc)) from None
-        except PromptError as exc:
-            raise RequestRejected(ErrorCode.INVALID_MESSAGES, str(exc)) from None
-        return dataclasses.replace(request, grammar=grammar)
 
     def _generate(self, request: GenerationRequest, sink: JobSink,
                   prompt: list[int], extra_stops: list[str], max_tokens: int,
@@ -252,14 +234,11 @@ class LlamaEngine:
                          timings_per_token=request.timings_per_token,
                          context_limited=len(prompt) + max_tokens >= self.n_ctx,
                          token_ids=True)
-        # With tools offered, the format's control-token markers are text
-        # the frontend's parser must see (llama-server's preserved tokens).
-        detok = IncrementalDetokenizer(
-            self._vocab, preserved=self.prompts.preserved_tokens()
-            if request.tools or request.force_call else frozenset())
+        detok = job_detokenizer(self._vocab, self.prompts, request)
         tokens = self._sampled_tokens(plan, request.sampling, logits)
         try:
-            finish = loop.run(tokens, self._token_taker(logits, detok),
+            finish = loop.run(tokens, token_taker(self._vocab, logits, detok,
+                                                   self._context_used),
                               between=self._follow_thread_budget)
         finally:
             # Closing the generator leaves the last sampled token un-evaluated;
@@ -268,33 +247,10 @@ class LlamaEngine:
             self.llama.logit_bias = {}
         return loop.result(finish, detok.flush())
 
-    def _token_taker(self, logits: RequestLogits, detok: IncrementalDetokenizer):
-        """What a sampled token means (``TokenLoop.run``'s ``take``): its text,
-        log-probability entry and the tokens the context holds, or STOP for
-        an end-of-generation token or a grammar with nothing left to allow
-        (neither counts)."""
-        grammar, logprobs = logits.grammar, logits.logprobs
-        vocab, is_eog, text_of = self._vocab, llama_cpp.llama_vocab_is_eog, detok.push
-        llama = self.llama
-
-        def take(token: int):
-            if grammar is not None and grammar.dead_end:
-                # Nothing the grammar allows was left to sample.
-                return FinishReason.STOP
-            if is_eog(vocab, token):
-                return FinishReason.STOP
-            if grammar is not None:
-                try:
-                    grammar.accept(token)  # before the next token is sampled
-                except GrammarError as exc:  # its parse stacks passed the budget
-                    raise RequestRejected(ErrorCode.INVALID_GRAMMAR, str(exc)) from None
-            # Sending the token decodes nothing: n_tokens is what it will be
-            # when its progress is reported.
-            return (text_of(token),
-                    logprobs.entry(token) if logprobs is not None else None,
-                    llama.n_tokens)
-
-        return take
+    def _context_used(self) -> int:
+        """Tokens the context holds (sending a token decodes nothing: this is
+        what it will be when the token's progress is reported)."""
+        return self.llama.n_tokens
 
     def _sampled_tokens(self, plan, sampling, logits: RequestLogits):
         """llama-cpp-python's token generator for the plan's tokens, with the
@@ -350,16 +306,13 @@ class LlamaEngine:
         True if the prompt cache changed."""
         return self.reuse.save_live()
 
+    @property
+    def slot_reuse(self) -> PromptReuse:
+        """The one KV sequence and its saved states, for llama-server's slot
+        actions (``workers.model.slot_files``): a file is one such state."""
+        return self.reuse
+
     def prompt_cache_report(self) -> tuple[list[list[int]], object]:
         """What CACHE_REPORT carries: fingerprint lists (live sequence
         first) and the cache's figures (``protocol.prompt_cache``)."""
         return self.reuse.reported_blocks(), self.reuse.cache.status()
-
-    def _tokenize_bias(self, text: str) -> list[int]:
-        """The tokens of a ``logit_bias`` text key, as llama.cpp's server
-        tokenises it (no BOS, special tokens not parsed)."""
-        try:
-            return self.prompts.tokenize_piece(text, MAX_BIASED_TOKENS + 1)
-        except PromptTooLong:
-            raise BiasError(f"logit_bias: a text key is {MAX_BIASED_TOKENS} "
-                            "tokens or more") from None

@@ -156,6 +156,16 @@ class PromptStateCache:
             self.bytes_used -= state.n_bytes
         return state
 
+    def state_of(self, tokens: Sequence[int], data: bytes,
+                 tenant: str = "") -> CachedState:
+        """A state of this cache's model, checksummed, not kept (``put``
+        keeps one; a slot file, ``workers.model.slot_files``, writes one)."""
+        arr = np.asarray(tokens, dtype=np.intc).copy()
+        data = bytes(data)
+        return CachedState(arr, data, self.model_id,
+                           tuple(prefix_blocks(arr.tolist(), tenant)),
+                           zlib.crc32(data), tenant)
+
     # --- changes ---
 
     def put(self, tokens: Sequence[int], data: bytes, tenant: str = "") -> bool:
@@ -170,11 +180,8 @@ class PromptStateCache:
         Returns:
             Whether the state was kept.
         """
-        arr = np.asarray(tokens, dtype=np.intc).copy()
-        data = bytes(data)
-        state = CachedState(arr, data, self.model_id,
-                            tuple(prefix_blocks(arr.tolist(), tenant)),
-                            zlib.crc32(data), tenant)
+        state = self.state_of(tokens, data, tenant)
+        arr = state.tokens
         if not self.enabled or state.n_bytes > self.limit_bytes:
             self.dropped += 1
             return False

@@ -21,7 +21,8 @@ one key cannot learn whether another sent the same prefix, whatever slot
 it asks for (``id_slot``).
 
 States are per sequence (``llama_state_seq_get_data`` / ``set_data`` on
-sequence 0): the KV cells only. The whole-context ``Llama.save_state`` also
+the sequence's id: 0 for a one-slot engine, the slot's for a batched one,
+whose slots share one cache): the KV cells only. The whole-context ``Llama.save_state`` also
 copies the logits of every batch position (n_batch x n_vocab floats, 512 MB
 for Gemma's 262 k vocabulary at n_batch 512), which a restore does not need:
 the last prompt token is always evaluated again.
@@ -40,18 +41,22 @@ import numpy as np
 from protocol.prefix import prefix_blocks
 from workers.model import kv_cache, llama_internals
 from workers.model import tracing as worker_tracing
-from workers.model.prompt_cache import MIN_STATE_TOKENS, PromptStateCache
+from workers.model.kv_cache import KvSequence
+from workers.model.prompt_cache import (
+    MIN_STATE_TOKENS,
+    CachedState,
+    PromptStateCache,
+)
 
 log = logging.getLogger("llamapool.worker")
 
-_SEQ = 0
-
-
 class PromptReuse:
-    """The KV cache of one ``Llama`` plus its saved prompt states."""
+    """One KV sequence (``kv_sequence``) plus the saved prompt states it
+    may start from (a batched engine's slots share theirs)."""
 
-    def __init__(self, llama: llama_cpp.Llama, cache: PromptStateCache) -> None:
-        self.llama = llama
+    def __init__(self, sequence: KvSequence, cache: PromptStateCache) -> None:
+        self.sequence = sequence
+        self.llama = sequence.llama
         self.cache = cache
         #: Whose prompt the live KV sequence holds ("": the shared scope, or
         #: nothing loaded).
@@ -78,7 +83,7 @@ class PromptReuse:
         traced = worker_tracing.current  # None unless this job is traced
         started = time.perf_counter() if traced is not None else 0.0
         own_live = reuse and tenant == self.live_tenant
-        live = kv_cache.reusable_prefix(self.llama, prompt) if own_live else 0
+        live = kv_cache.reusable_prefix(self.sequence, prompt) if own_live else 0
         key, stored = (self.cache.longest_prefix(prompt, tenant) if reuse
                        else (None, 0))
         # The last prompt token is always evaluated again.
@@ -99,7 +104,7 @@ class PromptReuse:
             # false, anyone's) must not serve a single position of this one.
             self._clear()
         self.live_tenant = tenant
-        plan = kv_cache.plan_reuse(self.llama, prompt, reuse=own_live or restored)
+        plan = kv_cache.plan_reuse(self.sequence, prompt, reuse=own_live or restored)
         if restored and plan.cached_tokens > live:
             self.cache.hits += 1
         elif (self.cache.enabled and len(prompt) > MIN_STATE_TOKENS
@@ -128,35 +133,76 @@ class PromptReuse:
         mem = llama_internals.memory(self.llama)
         if mem is None:
             return 0
-        pos_max = llama_cpp.llama_memory_seq_pos_max(mem, _SEQ)
-        return max(0, min(self.llama.n_tokens, pos_max + 1,
-                          len(self.llama.input_ids)))
+        sequence = self.sequence
+        pos_max = llama_cpp.llama_memory_seq_pos_max(mem, sequence.seq)
+        return max(0, min(sequence.n_known, pos_max + 1, len(sequence.ids)))
 
     def _save_live(self, n: int) -> bool:
         """Save the first ``n`` tokens' state; True if it was added."""
         # A save copies the whole KV state (6.5 ms for 128 tokens of Gemma):
         # not for a copy of a copy.
-        if self.cache.holds(self.llama.input_ids[:n], self.live_tenant):
+        ids, seq = self.sequence.ids, self.sequence.seq
+        if self.cache.holds(ids[:n], self.live_tenant):
             return False
         mem = llama_internals.memory(self.llama)
         # An SWA cache that already evicted the start of the sequence
         # (swa_full off) could only serve prompts ending near its end.
-        if llama_cpp.llama_memory_seq_pos_min(mem, _SEQ) > 0:
+        if llama_cpp.llama_memory_seq_pos_min(mem, seq) > 0:
             return False
-        ctx = llama_internals.context_handle(self.llama)
-        size = llama_cpp.llama_state_seq_get_size(ctx, _SEQ)
-        if size <= 0 or size + 4 * n > self.cache.limit_bytes:
+        data = self._state_bytes(self.cache.limit_bytes - 4 * n)
+        if data is None:
             self.cache.dropped += 1
             return False
+        return self.cache.put(ids[:n], data, self.live_tenant)
+
+    def _state_bytes(self, max_bytes: int) -> bytes | None:
+        """The live sequence's state (its KV cells), or None if it is larger
+        than ``max_bytes`` or llama.cpp fails to copy it."""
+        ctx = llama_internals.context_handle(self.llama)
+        seq = self.sequence.seq
+        size = llama_cpp.llama_state_seq_get_size(ctx, seq)
+        if size <= 0 or size > max_bytes:
+            return None
         buf = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(ctx, buf, size, _SEQ)
+        written = llama_cpp.llama_state_seq_get_data(ctx, buf, size, seq)
         if written <= 0 or written > size:
             log.warning("saving a prompt state failed (%d of %d bytes)",
                         written, size)
-            self.cache.dropped += 1
-            return False
-        return self.cache.put(self.llama.input_ids[:n],
-                              ctypes.string_at(buf, written), self.live_tenant)
+            return None
+        return ctypes.string_at(buf, written)
+
+    def live_state(self, tenant: str) -> CachedState:
+        """The live sequence as a state (for a slot file,
+        ``workers.model.slot_files``): ``tenant``'s tokens, or none when the
+        sequence holds another tenant's prompt (a save must not copy it).
+
+        Raises:
+            RuntimeError: llama.cpp could not copy the state.
+        """
+        n = self.live_length() if tenant == self.live_tenant else 0
+        data = b""
+        if n > 0:
+            data = self._state_bytes(1 << 62)
+            if data is None:
+                raise RuntimeError("llama.cpp could not copy the slot's state")
+        return self.cache.state_of(self.sequence.ids[:n], data, tenant)
+
+    def load_state(self, state: CachedState) -> str:
+        """Make ``state`` (of a slot file) the live sequence, as its tenant's;
+        "" when done, else why not. A state of another model or a damaged one
+        is refused before anything is loaded."""
+        if state.model_id != self.cache.model_id:
+            why = "the file was saved from another model"
+        elif not state.intact():
+            why = "the file is damaged (state checksum)"
+        elif not self._load(state, state.tenant):
+            why = "the state does not fit this slot"
+        else:
+            self.live_tenant = state.tenant
+            return ""
+        # Refused before loading: the slot keeps what it held (a load that
+        # failed midway left it empty, as llama-server's does).
+        return why
 
     def _restore(self, key: int, tenant: str) -> bool:
         """Load ``tenant``'s saved state as the live sequence; False (and an
@@ -164,26 +210,35 @@ class PromptReuse:
         state = self.cache.take(key)
         if state is None:
             return False
+        if not self._load(state, tenant):
+            log.warning("a cached prompt state could not be restored (%d tokens, "
+                        "%d bytes); dropped it", len(state.tokens), len(state.data))
+            self.cache.dropped += 1
+            return False
+        return True
+
+    def _load(self, state: CachedState, tenant: str) -> bool:
+        """Load ``state`` as the live sequence if it is this model's, of
+        ``tenant``, fits and is intact (its checksum); False (and an empty
+        KV cache) if not."""
         n = len(state.tokens)
         ok = (state.model_id == self.cache.model_id and state.tenant == tenant
-              and n <= len(self.llama.input_ids) and state.intact())
+              and n <= len(self.sequence.ids) and state.intact())
         if ok:
             self._clear()
             data = state.data
-            buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-            read = llama_cpp.llama_state_seq_set_data(
-                llama_internals.context_handle(self.llama), buf, len(data), _SEQ)
-            ok = read == len(data)
+            if data:  # an empty slot's state: nothing to load
+                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                read = llama_cpp.llama_state_seq_set_data(
+                    llama_internals.context_handle(self.llama), buf, len(data),
+                    self.sequence.seq)
+                ok = read == len(data)
             if ok and worker_tracing.current is not None:
                 worker_tracing.current.restored_bytes = len(data)
         if not ok:
-            log.warning("a cached prompt state could not be restored (%d tokens, "
-                        "%d bytes); dropped it", n, len(state.data))
-            self.cache.dropped += 1
             self._clear()
             return False
-        self.llama.input_ids[:n] = state.tokens
-        self.llama.n_tokens = n
+        self.sequence.load(state.tokens)
         return True
 
     def clear_live(self) -> None:
@@ -192,16 +247,13 @@ class PromptReuse:
         self.live_tenant = ""
 
     def _clear(self) -> None:
-        mem = llama_internals.memory(self.llama)
-        if mem is not None:
-            llama_cpp.llama_memory_clear(mem, True)
-        self.llama.n_tokens = 0
+        self.sequence.clear()
 
     # --- what the broker is told ---
 
     def reported_blocks(self) -> list[list[int]]:
         """Fingerprints of the live sequence, then of the saved states."""
         live = self.live_length()
-        live_blocks = prefix_blocks(np.asarray(self.llama.input_ids[:live]).tolist(),
+        live_blocks = prefix_blocks(np.asarray(self.sequence.ids[:live]).tolist(),
                                     self.live_tenant)
         return [live_blocks, *self.cache.reported_blocks()]

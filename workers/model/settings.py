@@ -32,9 +32,19 @@ worker process does. Every default is documented here:
 | LLAMAPOOL_CURVE_SECRET_KEY     | (none)      | own .key_secret (CURVE)           |
 | LLAMAPOOL_WORKER_METRICS_PORT  | 0           | port for own /metrics (0: off)    |
 | LLAMAPOOL_CACHE_RAM            | 2048        | saved prompt states, MiB (0: off) |
+| LLAMAPOOL_SLOT_SAVE_PATH       | (off)       | slot files' directory             |
 | LLAMAPOOL_GPU_LAYERS           | 0           | layers on a GPU (-1: all)         |
 | LLAMAPOOL_FLASH_ATTN           | off         | flash attention: on or off        |
 | LLAMAPOOL_REPACK               | auto        | weight repacking: auto, on or off |
+| LLAMAPOOL_N_PREDICT            | (endpoint)  | token budget, request without one |
+| LLAMAPOOL_SEED                 | (random)    | seed, request without one         |
+| LLAMAPOOL_TEMP                 | 0.8         | temperature, request without one  |
+| LLAMAPOOL_TOP_K                | 40          | top_k, request without one        |
+| LLAMAPOOL_TOP_P                | 0.95        | top_p, request without one        |
+| LLAMAPOOL_MIN_P                | 0.05        | min_p, request without one        |
+| LLAMAPOOL_REPEAT_PENALTY       | 1.0         | repeat_penalty, request without   |
+| LLAMAPOOL_PRESENCE_PENALTY     | 0.0         | presence_penalty, request without |
+| LLAMAPOOL_FREQUENCY_PENALTY    | 0.0         | frequency_penalty, req. without   |
 | LLAMAPOOL_PHASE_FILE           | (none)      | phase file, read after a crash    |
 | LLAMAPOOL_LAST_FAILURE         | (none)      | last run's death, from supervisor |
 | LLAMAPOOL_HELD                 | off         | held crash loop: load nothing     |
@@ -43,6 +53,7 @@ worker process does. Every default is documented here:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from protocol import defaults, limits, timing
@@ -53,6 +64,7 @@ from protocol.chat_choice import (
     chat_template_setting,
     checked_chat_choice,
 )
+from protocol.payloads import RequestDefaults
 from protocol.settings import (
     ConfigError,
     non_negative_float,
@@ -65,6 +77,14 @@ from workers.model.weight_repack import REPACK_CHOICES
 
 #: Engines a worker can run (``--engine``); llama.cpp is the only real one.
 ENGINES = ("llama.cpp", "synthetic")
+
+
+def finite_float(text: str) -> float:
+    """A penalty: any finite number (llama-server refuses the others)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"must be finite, not {text}")
+    return value
 
 
 def thread_count(text: str) -> str:
@@ -191,6 +211,14 @@ class WorkerSettings:
     cache_ram_mib: int = setting(
         2048, "LLAMAPOOL_CACHE_RAM", "saved prompt states, MiB (0: off)",
         flag="--cache-ram", parse=non_negative_int, metavar="MIB")
+    #: llama-server's ``--slot-save-path``: where ``POST /slots/{id}?action=
+    #: save|restore`` keep slot files (``workers.model.slot_files``), on the
+    #: worker's host, since its KV cache is in this process. Created if
+    #: missing; "" refuses save and restore as llama-server does (erase
+    #: still works).
+    slot_save_path: str = setting(
+        "", "LLAMAPOOL_SLOT_SAVE_PATH", "slot files' directory",
+        shown="(off)", flag="--slot-save-path", metavar="DIR")
     #: llama.cpp's ``n_gpu_layers``. Only a GPU build of llama-cpp-python
     #: offloads; ``make serve`` installs the CPU build (docs/operations.md, "GPUs").
     #: Which device: ``CUDA_VISIBLE_DEVICES`` (``llamapool up --gpus``).
@@ -217,6 +245,41 @@ class WorkerSettings:
         help="llama.cpp's weight repacking (off: llama-server's --no-repack); "
              "auto turns it off on a CPU with AMX, whose kernel crashes at "
              "this llama.cpp")
+    #: llama-server's request defaults, as its users put them in a unit
+    #: file: used for a request that leaves the field out (an explicit
+    #: value always wins), and shown by ``/props``. None: the pool's
+    #: defaults (``protocol.payloads.Sampling``; the endpoint's budget).
+    n_predict: int | None = setting(
+        None, "LLAMAPOOL_N_PREDICT", "token budget, request without one",
+        shown="(endpoint)", flag="--n-predict", parse=int, metavar="N",
+        help="tokens to predict for a request that names no max_tokens or "
+             "n_predict (-1: until the context is full; llama-server's -n)")
+    seed: int | None = setting(
+        None, "LLAMAPOOL_SEED", "seed, request without one",
+        shown="(random)", flag="--seed", parse=non_negative_int,
+        help="the RNG seed of a request that names none (default: a fresh "
+             "random seed each request)")
+    temperature: float | None = setting(
+        None, "LLAMAPOOL_TEMP", "temperature, request without one",
+        shown="0.8", flag="--temp", parse=non_negative_float)
+    top_k: int | None = setting(
+        None, "LLAMAPOOL_TOP_K", "top_k, request without one", shown="40",
+        flag="--top-k", parse=non_negative_int)
+    top_p: float | None = setting(
+        None, "LLAMAPOOL_TOP_P", "top_p, request without one", shown="0.95",
+        flag="--top-p", parse=non_negative_float)
+    min_p: float | None = setting(
+        None, "LLAMAPOOL_MIN_P", "min_p, request without one", shown="0.05",
+        flag="--min-p", parse=non_negative_float)
+    repeat_penalty: float | None = setting(
+        None, "LLAMAPOOL_REPEAT_PENALTY", "repeat_penalty, request without",
+        shown="1.0", flag="--repeat-penalty", parse=positive_float)
+    presence_penalty: float | None = setting(
+        None, "LLAMAPOOL_PRESENCE_PENALTY", "presence_penalty, request without",
+        shown="0.0", flag="--presence-penalty", parse=finite_float)
+    frequency_penalty: float | None = setting(
+        None, "LLAMAPOOL_FREQUENCY_PENALTY", "frequency_penalty, req. without",
+        shown="0.0", flag="--frequency-penalty", parse=finite_float)
     #: ``protocol.worker_phase``: one line, rewritten at each phase
     #: (loading, warm-up, idle, job <id>), read by ``llamapool up`` or the
     #: systemd unit's ``ExecStopPost`` after a native crash.
@@ -267,6 +330,7 @@ class WorkerSettings:
                 raise ConfigError(f"{var} is {len(value)} characters; at most "
                                   f"{limits.MAX_NAME_CHARS}")
         self._check_aliases()
+        self._check_request_defaults()
         # Cut, not refused: it is a supervisor's report, not a user's input.
         object.__setattr__(self, "last_failure",
                            self.last_failure[:limits.MAX_REASON_CHARS])
@@ -295,6 +359,38 @@ class WorkerSettings:
             if len(alias) > limits.MAX_NAME_CHARS:
                 raise ConfigError(f"alias {alias[:40]!r}... is {len(alias)} "
                                   f"characters; at most {limits.MAX_NAME_CHARS}")
+
+    def _check_request_defaults(self) -> None:
+        """The ranges the flags' parsers check, for values from variables
+        (and llama-server's own: a repeat penalty above 0)."""
+        checks = (
+            ("LLAMAPOOL_N_PREDICT", self.n_predict, -1, None),
+            ("LLAMAPOOL_SEED", self.seed, 0, 2**32 - 1),
+            ("LLAMAPOOL_TEMP", self.temperature, 0, None),
+            ("LLAMAPOOL_TOP_K", self.top_k, 0, None),
+            ("LLAMAPOOL_TOP_P", self.top_p, 0, 1),
+            ("LLAMAPOOL_MIN_P", self.min_p, 0, 1),
+            ("LLAMAPOOL_PRESENCE_PENALTY", self.presence_penalty, None, None),
+            ("LLAMAPOOL_FREQUENCY_PENALTY", self.frequency_penalty, None, None),
+        )
+        for var, value, lo, hi in checks:
+            if value is None:
+                continue
+            if not math.isfinite(value) or (lo is not None and value < lo) or (
+                    hi is not None and value > hi):
+                where = f"from {lo}" if lo is not None else "finite"
+                raise ConfigError(f"{var}={value}: {where}"
+                                  + (f" to {hi}" if hi is not None else ""))
+        if self.repeat_penalty is not None and not (
+                math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0):
+            raise ConfigError(f"LLAMAPOOL_REPEAT_PENALTY={self.repeat_penalty}: "
+                              "finite and above 0")
+
+    @property
+    def request_defaults(self) -> RequestDefaults:
+        """What this worker fills in for a request's left-out fields."""
+        return RequestDefaults(**{f.name: getattr(self, f.name)
+                                  for f in dataclasses.fields(RequestDefaults)})
 
     def _check_slots(self) -> None:
         """What a worker of several slots cannot do yet, refused at start."""

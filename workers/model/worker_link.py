@@ -44,8 +44,14 @@ from workers.model.broker_choice import BrokerChoice
 from workers.model.capabilities import engine_capabilities
 from workers.model.job_runner import JobRunner
 from workers.model.settings import WorkerSettings
+from workers.model.slot_files import NOT_SUPPORTED, SlotTask
 
 log = logging.getLogger("llamapool.worker")
+
+#: The frames of what the broker gave us (a job, or a slot action), and
+#: those that end it.
+_TERMINAL = (*messages.TERMINAL, messages.SlotDone)
+_JOB_FRAMES = (*messages.JOB_FRAMES, messages.SlotDone)
 
 
 class RegistrationState(enum.Enum):
@@ -184,6 +190,7 @@ class WorkerLink(LinkHandler):
             repack=engine.repack,
             aliases=self.settings.alias_list,
             capabilities=engine_capabilities(engine),
+            defaults=self.settings.request_defaults,
         )
 
     def on_tick(self, now: float) -> None:
@@ -268,9 +275,9 @@ class WorkerLink(LinkHandler):
             raise TypeError(f"the worker's main thread sent a bare "
                             f"{type(out).__name__}, not an Outgoing")
         msg, job = out.message, out.job
-        if isinstance(msg, messages.JOB_FRAMES) and job is not None:
+        if isinstance(msg, _JOB_FRAMES) and job is not None:
             current = job is self._job
-            if current and isinstance(msg, messages.TERMINAL):
+            if current and isinstance(msg, _TERMINAL):
                 self._job = None  # READY may go out again, after this frame
                 self._cancelled_at = None
             return current and not job.orphaned
@@ -288,6 +295,8 @@ class WorkerLink(LinkHandler):
         job = self._job
         if isinstance(msg, messages.Submit):
             self._on_submit(msg)
+        elif isinstance(msg, messages.SlotAction):
+            self._on_slot_action(msg)
         elif isinstance(msg, messages.Threads):
             self._on_threads(msg)
         elif isinstance(msg, messages.Cancel):
@@ -322,6 +331,23 @@ class WorkerLink(LinkHandler):
         self._job = job
         self._cancelled_at = None
         self._runner.submit(job)
+
+    def _on_slot_action(self, msg: messages.SlotAction) -> None:
+        """A slot action is the slot's job while it runs (the broker leased
+        the slot for it): refused when one runs, or when the runner has no
+        slot actions (a batched worker's), with a SLOT_DONE that says so."""
+        run = getattr(self._runner, "submit_slot_action", None)
+        refusal = ((ErrorCode.WORKER_BUSY, "slot busy") if self._job is not None
+                   else (ErrorCode.SLOT_ACTIONS_UNSUPPORTED, NOT_SUPPORTED)
+                   if run is None else None)
+        if refusal is not None:
+            self.connection.send(messages.SlotDone(
+                msg.job_id, msg.action, code=refusal[0], message=refusal[1]))
+            return
+        task = SlotTask(msg)
+        self._job = task
+        self._cancelled_at = None
+        run(task)
 
     def on_malformed(self, error: messages.MalformedMessage,
                      frames: list[bytes]) -> None:
