@@ -107,6 +107,14 @@ def main() -> None:
                                  args, api_key=KEY_A))
         fair = [[f"fair: {name}", *rest] for name, *rest in fairness_rows(url, args)]
         waiting.stop()
+        batched, url = llamapool_up(model, 1, os.cpu_count() or 1, slots_per_worker=2,
+                                    extra=(*keys, *queue))
+        stack.callback(batched.stop)
+        warm_up(url, 2, PROMPT)
+        rows.append(overload_row(f"llamapool, --queue-max {4 * args.clients}, "
+                                 "1 worker × 2 batched slots", url, args,
+                                 api_key=KEY_A))
+        batched.stop()
         fifo_pool, url = llamapool_up(model, 2, args.threads, extra=(
             *keys, *queue, "--queue-order", "fifo"))
         stack.callback(fifo_pool.stop)
