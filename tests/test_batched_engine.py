@@ -46,11 +46,11 @@ def greedy(prompt: list[int], max_tokens: int) -> GenerationRequest:
 class Slots:
     """A running ``BatchRunner`` of two slots and what each slot sent."""
 
-    def __init__(self, model, **settings) -> None:
-        self.settings = WorkerSettings(broker_endpoint="ipc:///nobody", n_slots=2,
+    def __init__(self, model, n_slots: int = 2, **settings) -> None:
+        self.settings = WorkerSettings(broker_endpoint="ipc:///nobody", n_slots=n_slots,
                                        n_ctx=N_CTX, n_threads="1", **settings)
         self.runner = BatchRunner(self.settings, lambda: BatchedEngine(
-            str(model), n_slots=2, n_ctx=N_CTX, n_threads=1, n_batch=N_BATCH))
+            str(model), n_slots=n_slots, n_ctx=N_CTX, n_threads=1, n_batch=N_BATCH))
         self.sent: dict[str, list[messages.Message]] = {}
         self.reports: list[messages.CacheReport] = []
         self.ended_at: dict[str, float] = {}
@@ -139,6 +139,76 @@ def test_greedy_text_of_two_slots_at_once_equals_the_one_slot_engine(
         assert final.usage.prompt_tokens == len(request.prompt_tokens)
         text = slots.text(job_id)
         assert text and text == one_slot_text(tiny_model, request)
+
+
+class UbatchCounter:
+    """How many ubatches llama.cpp ran for each ``llama_decode`` call, and
+    the sequence ids each call's batch held: llama.cpp's graph-evaluation
+    callback sees the logits tensor (``result_output``) once per ubatch.
+    Installed through the default context params, so the engine under test
+    builds its context as it always does, plus the callback."""
+
+    def __init__(self, monkeypatch) -> None:
+        import ctypes
+        import os
+
+        import llama_cpp
+        from llama_cpp import llama_cpp as bindings
+
+        ggml = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib",
+                                        "libggml-base.so"))
+        ggml.ggml_get_name.restype = ctypes.c_char_p
+        ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+        self._ubatches = 0
+        #: One (sequence ids in batch order, ubatches) per decode call.
+        self.calls: list[tuple[list[int], int]] = []
+
+        def observe(tensor, ask, _user_data):
+            if ggml.ggml_get_name(tensor) != b"result_output":
+                return False
+            if not ask:
+                self._ubatches += 1
+            return True
+
+        self._observe = bindings.ggml_backend_sched_eval_callback(observe)
+        defaults = bindings.llama_context_default_params
+
+        def with_callback():
+            params = defaults()
+            params.cb_eval = self._observe
+            return params
+
+        real_decode = llama_cpp.llama_decode
+
+        def decode(ctx, batch):
+            self._ubatches = 0
+            rc = real_decode(ctx, batch)
+            seqs = [batch.seq_id[i][0] for i in range(batch.n_tokens)]
+            self.calls.append((seqs, self._ubatches))
+            return rc
+
+        monkeypatch.setattr(bindings, "llama_context_default_params", with_callback)
+        monkeypatch.setattr(llama_cpp, "llama_decode", decode)
+
+
+def test_a_step_is_one_ubatch_whichever_slots_take_part(tiny_model, monkeypatch):
+    # Slot 2 starts first and slot 1 stays idle: its batches list slot 2
+    # before slot 0, with a gap between, which a per-sequence cache would
+    # decode as two ubatches.
+    counter = UbatchCounter(monkeypatch)
+    s = Slots(tiny_model, n_slots=3)
+    try:
+        s.submit(2, "first", greedy([1, 40, 41], 40))
+        with s._changed:
+            assert s._changed.wait_for(lambda: s.sent.get("first"), 30)
+        s.submit(0, "second", greedy([1, 50, 51], 40))
+        for job_id in ("first", "second"):
+            assert isinstance(s.terminal(job_id), messages.Final)
+    finally:
+        s.close()
+    shared = [(seqs, n) for seqs, n in counter.calls if len(set(seqs)) > 1]
+    assert shared, "no step carried both slots"
+    assert [n for _, n in shared] == [1] * len(shared), shared
 
 
 def test_a_stalled_slot_does_not_hold_back_the_other(tiny_model):

@@ -1,9 +1,9 @@
 """The batched llama.cpp engine: one context, K sequences, one decode per step.
 
 A worker of ``--slots K`` holds one ``Llama`` whose context has K sequences
-(``n_seq_max``), each with ``--ctx`` tokens of its own in the KV cache
-(llama.cpp's default, a non-unified cache: ``n_ctx_seq = n_ctx / K``).
-Slot i's job is sequence i. Every step, the decode loop
+(``n_seq_max``) in one unified KV cache of K × ``--ctx`` cells, each
+sequence held to ``--ctx`` tokens by its token budget (``BatchLlama`` says
+why unified). Slot i's job is sequence i. Every step, the decode loop
 (``workers.model.batch_runner``) hands ``decode`` the tokens of all the
 slots that take part: one (the token sampled last) for each generating
 slot, then prompt chunks for the slots still prefilling, at most
@@ -110,8 +110,9 @@ class BatchedEngine:
         self._ctx = llama_internals.context_handle(self.llama)
         self.n_slots = n_slots
         self.n_batch = n_batch
-        #: Tokens per slot (each sequence's share of the KV cache).
-        self.n_ctx = llama_cpp.llama_n_ctx_seq(self._ctx)
+        #: Tokens per slot (each sequence's share of the KV cache). The
+        #: cache is unified, so llama.cpp's ``n_ctx_seq`` is all of it.
+        self.n_ctx = per_slot
         self.gpu = gpu_placement(self.llama)
         self.repack = repack.shown
         self.model_name = model_name or os.path.basename(model_path)

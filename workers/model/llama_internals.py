@@ -54,10 +54,21 @@ class EngineLlama(LogitBiasLlama):
 
 class BatchLlama(EngineLlama):
     """An ``EngineLlama`` whose context holds ``n_seq_max`` sequences (a
-    batched worker's slots), each with its own part of the KV cache.
-    ``Llama.__init__`` has no argument for it: the field is set as the
-    context params are assigned, before any field of them is read, and
-    nothing after (but an embedding model's setup) writes it."""
+    batched worker's slots) in one unified KV cache.
+
+    Unified, because llama.cpp splits a batch of a per-sequence cache into
+    ubatches of consecutive, increasing sequence ids (``split_equal``): a
+    step of slots [1, 0], or of slots 0 and 2 with slot 1 idle, decoded as
+    one-token ubatches, reading the weights once per slot and missing the
+    matrix-matrix kernels (tinyBLAS wants two or more rows), so a batched
+    worker ran at one slot's speed for as long as its jobs stayed in that
+    order. A unified cache is split in batch order (``split_simple``): one
+    ubatch per step, whichever slots take part. What it costs: each token's
+    attention spans every live sequence's cells (masked), not only its own.
+
+    ``Llama.__init__`` has no argument for either field: they are set as
+    the context params are assigned, before any field of them is read, and
+    nothing after (but an embedding model's setup) writes them."""
 
     def __init__(self, *args, n_seq_max: int, **kwargs) -> None:
         self._n_seq_max = n_seq_max
@@ -70,6 +81,7 @@ class BatchLlama(EngineLlama):
     @context_params.setter
     def context_params(self, params) -> None:
         params.n_seq_max = self._n_seq_max
+        params.kv_unified = True
         self._context_params = params
 
 
