@@ -148,10 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "aliases, workers, ctx, chat_format, threads, "
                          "cache_ram, gpu_layers, repack, default): "
                          "docs/operations.md, several models")
-    up.add_argument("--workers", type=positive_int, default=2)
-    up.add_argument("--slots-per-worker", type=positive_int, default=1,
+    up.add_argument("--workers", type=positive_int, default=None,
+                    help="worker processes (default: 2 of one slot each, or "
+                         "1 of 2 batched slots on a CPU where batching pays: "
+                         "llamapool/pool_shape.py)")
+    up.add_argument("--slots-per-worker", type=positive_int, default=None,
                     help="slots in each worker, decoded as one batch "
-                         "(the worker's --slots; default 1)")
+                         "(the worker's --slots; default 1, or 2 as --workers says)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8080)
     up.add_argument("--gpus", type=_gpu_list, default=None, metavar="0,1",

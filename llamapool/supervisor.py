@@ -35,6 +35,7 @@ import urllib.request
 from frontend.settings import FrontendSettings
 from llamapool.exit_codes import NOT_RESTARTABLE, ExitCode
 from llamapool.models_file import ModelSpec, load_models_file
+from llamapool.pool_shape import pool_shape
 from llamapool.signals import StopFlag
 from protocol.settings import ConfigError, as_argv, given_flags
 from protocol.worker_phase import describe_exit, read_phase
@@ -303,13 +304,30 @@ def _default_threads(args: argparse.Namespace, specs) -> str | int:
     host and busy workers share it (``auto``): as fast as the fixed split or
     faster at every concurrency measured, on both CPU kinds (BENCHMARKS.md).
     A batched worker's context serves all its slots: a fixed split."""
-    if getattr(args, "slots_per_worker", 1) <= 1:
+    if args.slots_per_worker <= 1:
         return "auto"
     n_workers = sum(s.workers for s in specs) if specs else args.workers
     return max(1, (os.cpu_count() or 1) // n_workers)
 
 
+def _resolve_shape(args: argparse.Namespace) -> None:
+    """``--workers`` and ``--slots-per-worker`` when not given
+    (``llamapool.pool_shape``), set on ``args`` and logged."""
+    shape = pool_shape(getattr(args, "workers", None),
+                       getattr(args, "slots_per_worker", None),
+                       models_file=bool(getattr(args, "models_file", None)),
+                       gpus=bool(getattr(args, "gpus", None)),
+                       engine=os.environ.get("LLAMAPOOL_ENGINE", "llama.cpp"),
+                       threads=getattr(args, "n_threads", None))
+    args.workers, args.slots_per_worker = shape.workers, shape.slots_per_worker
+    if shape.reason != "given":
+        log.info("%d worker(s) x %d slot(s) (%s; --workers and "
+                 "--slots-per-worker choose)", shape.workers,
+                 shape.slots_per_worker, shape.reason)
+
+
 def run_up(args: argparse.Namespace) -> int:
+    _resolve_shape(args)
     try:
         specs = _model_specs(args)
     except ConfigError as exc:
@@ -334,7 +352,7 @@ def run_up(args: argparse.Namespace) -> int:
            "--log-format", args.log_format]
     # Flags not given are not passed: each child then reads the same
     # LLAMAPOOL_* variable, or falls back to the same default.
-    slots = getattr(args, "slots_per_worker", 1)
+    slots = args.slots_per_worker
     worker_argv = [*cli, "worker", "--broker", workers_ep,
                    *as_argv(WorkerSettings,
                             given_flags(args, WorkerSettings, UP_WORKER_FLAGS)),
