@@ -389,8 +389,9 @@ def run_up(args: argparse.Namespace) -> int:
                 log.error("the pool cannot run; stopping")
                 return code
             if not announced and _health_ok(url + "/health"):
-                shape = (f"{len(workers)} workers" if slots == 1 else
-                         f"{len(workers)} workers x {slots} slots")
+                shape = f"{len(workers)} worker{'s' if len(workers) != 1 else ''}"
+                if slots > 1:
+                    shape += f" x {slots} slots"
                 what = (f"models {', '.join(s.name for s in specs)}" if specs
                         else f"model {os.path.basename(model)}")
                 print(f"llamapool ready at {url}/v1 ({shape}, {what}); "

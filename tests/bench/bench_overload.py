@@ -126,10 +126,15 @@ def main() -> None:
             # (the native-crash issue): both sides without repacking there,
             # as the workers' --repack auto already is.
             no_repack = ("--no-repack",) if cpu_has_amx() else ()
-            server, url = llama_server(model, 2, 2, extra=no_repack)
-            stack.callback(server.stop)
-            rows.append(overload_row(f"llama-server -np 2 -t 2 {' '.join(no_repack)}",
-                                     url, args))
+            # Its default -fa auto turns flash attention on, the pool's is
+            # off: the second row is the comparison at equal settings.
+            for flash in ((), ("-fa", "off")):
+                server, url = llama_server(model, 2, 2, extra=(*no_repack, *flash))
+                stack.callback(server.stop)
+                rows.append(overload_row(
+                    f"llama-server -np 2 -t 2 {' '.join((*no_repack, *flash))}",
+                    url, args))
+                server.stop()
         else:
             rows.append(["llama-server -np 2 -t 2", "not built (make llama-server)",
                          "-", "-"])

@@ -10,6 +10,10 @@
   clients at a time are refused with 503, counted apart, and ask again after
   ``--wait-after-503``: retrying at once would spin and steal CPU from the
   workers on a small machine);
+* the batched worker again with ``--flash-attn on``, and ``llama-server
+  -np 2 -t 2 -fa off``: llama-server's default ``-fa auto`` turns flash
+  attention on (every CPU build has it) while the pool's default is off, so
+  these two rows give the comparison at equal settings both ways;
 * ``llama-server -np 2`` with ``-t 2`` and with ``-t 1`` (``--no-repack``
   on an AMX CPU, where the workers run without repacking), built from the
   llama.cpp vendored in the installed llama-cpp-python
@@ -103,8 +107,16 @@ def main(argv: list[str] | None = None) -> int:
         (f"llamapool up (1 worker × 2 batched slots, {cores} threads)",
          lambda: harness.llamapool_up(model, workers=1, threads=cores,
                                       slots_per_worker=2)),
+        (f"llamapool up (1 worker × 2 batched slots, {cores} threads, "
+         "--flash-attn on)",
+         lambda: harness.llamapool_up(model, workers=1, threads=cores,
+                                      slots_per_worker=2,
+                                      extra=("--flash-attn", "on"))),
         (f"llama-server -np 2 -t 2 {' '.join(no_repack)}",
          lambda: harness.llama_server(model, slots=2, n_threads=2, extra=no_repack)),
+        (f"llama-server -np 2 -t 2 {' '.join(no_repack)} -fa off",
+         lambda: harness.llama_server(model, slots=2, n_threads=2,
+                                      extra=(*no_repack, "-fa", "off"))),
         (f"llama-server -np 2 -t 1 {' '.join(no_repack)}",
          lambda: harness.llama_server(model, slots=2, n_threads=1, extra=no_repack)),
     ]
