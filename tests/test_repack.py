@@ -86,7 +86,8 @@ def test_the_default_model_answers_the_readme_requests(tmp_path):
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] > 0
         slots = httpx.get(url + "/slots", timeout=10).json()
-        assert [s["repack"] for s in slots] == [repack_enabled("auto").shown]
+        assert len(slots) == 2  # the default shape's two slots, either way
+        assert {s["repack"] for s in slots} == {repack_enabled("auto").shown}
         assert "killed by" not in up.log_path.read_text(errors="replace")
     finally:
         up.stop()
