@@ -23,6 +23,12 @@ workers run by default (docs/operations.md, "Flash attention").
 
 ``--flash-attn`` adds the pool and the ceiling with flash attention on, so
 that llama-server's default can also be compared at equal settings.
+
+``--batched`` adds one worker of two batched slots (all cores; with
+``--flash-attn``, also with flash attention on) and its own ceiling: the
+worker's engine decoding two sequences in a bare loop
+(``tests.bench.batched_ceiling``). On a CPU with AMX llama-server runs with
+``--no-repack``, as the workers' ``--repack auto`` does there.
 """
 
 from __future__ import annotations
@@ -34,12 +40,68 @@ import statistics
 
 from llamapool.loadgen import percentile
 from tests.bench import harness
+from tests.bench.batched_ceiling import batched_generate
 from tests.bench.bench_throughput import PROMPT
+from workers.model.weight_repack import cpu_has_amx
 
 CEILING = "ceiling: 2 × Llama.generate (1 thread each)"
 CEILING_FA = "ceiling, flash attention on: 2 × Llama.generate (1 thread each)"
 LLAMA_SERVER = "llama-server -np 2 -t 2"
 FLOOR = "floor: the pool's processes and hops, no work (2 × 1 thread)"
+BATCHED_CEILING = "batched ceiling: one context, 2 sequences, bare loop"
+BATCHED_CEILING_FA = "batched ceiling, flash attention on"
+
+
+def targets(model: str, args) -> tuple[dict, dict]:
+    """The servers to start (name -> start) and the ceilings to measure
+    each round (name -> tokens/s), as the flags ask."""
+    no_repack = ("--no-repack",) if cpu_has_amx() else ()
+    cores = os.cpu_count() or 1
+    starts = {
+        "llamapool up (2 workers × 1 thread)":
+            lambda: harness.llamapool_up(model, workers=2, threads=1),
+        "llamapool up (2 workers, --threads auto)":
+            lambda: harness.llamapool_up(model, workers=2, threads="auto"),
+        LLAMA_SERVER: lambda: harness.llama_server(model, slots=2, n_threads=2,
+                                                   extra=no_repack),
+        "llama-server -np 2 -t 2 -fa off": lambda: harness.llama_server(
+            model, slots=2, n_threads=2, extra=(*no_repack, "-fa", "off")),
+        FLOOR: lambda: harness.floor_pool(model),
+    }
+    if args.before:
+        commit = harness.checkout_commit(args.before)
+        starts[f"llamapool up at {commit} (2 workers × 1 thread)"] = (
+            lambda: harness.llamapool_up(model, workers=2, threads=1,
+                                         checkout=args.before))
+    if args.flash_attn:
+        starts["llamapool up (2 workers × 1 thread, --flash-attn on)"] = (
+            lambda: harness.llamapool_up(model, workers=2, threads=1,
+                                         extra=("--flash-attn", "on")))
+    if args.batched:
+        for flash in ((), ("--flash-attn", "on"))[:1 + args.flash_attn]:
+            starts[f"llamapool up (1 worker × 2 batched slots{', ' if flash else ''}"
+                   f"{' '.join(flash)})"] = (
+                lambda flash=flash: harness.llamapool_up(
+                    model, workers=1, threads=cores, slots_per_worker=2, extra=flash))
+
+    def generate(flash_attn: bool) -> float:
+        return harness.parallel_generate(
+            model, processes=2, n_threads=1, prompt=PROMPT, n_tokens=args.tokens,
+            reps=args.ceiling_reps, flash_attn=flash_attn)["output_tokens_per_s"]
+
+    def batched(flash_attn: bool) -> float:
+        return batched_generate(
+            model, n_slots=2, n_threads=cores, prompt=PROMPT, n_tokens=args.tokens,
+            reps=args.ceiling_reps, flash_attn=flash_attn)["output_tokens_per_s"]
+
+    ceilings = {CEILING: lambda: generate(False)}
+    if args.flash_attn:
+        ceilings[CEILING_FA] = lambda: generate(True)
+    if args.batched:
+        ceilings[BATCHED_CEILING] = lambda: batched(False)
+        if args.flash_attn:
+            ceilings[BATCHED_CEILING_FA] = lambda: batched(True)
+    return starts, ceilings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,30 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flash-attn", action="store_true",
                         help="also run the pool (2 × 1 thread) and the ceiling "
                              "with flash attention on, as llama-server's default")
+    parser.add_argument("--batched", action="store_true",
+                        help="also run one worker of 2 batched slots and its "
+                             "bare-loop ceiling")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.duration, args.tokens, args.ceiling_reps = 2, 3.0, 16, 1
     model = args.model or harness.default_model()
-    starts = {
-        "llamapool up (2 workers × 1 thread)":
-            lambda: harness.llamapool_up(model, workers=2, threads=1),
-        "llamapool up (2 workers, --threads auto)":
-            lambda: harness.llamapool_up(model, workers=2, threads="auto"),
-        LLAMA_SERVER: lambda: harness.llama_server(model, slots=2, n_threads=2),
-        "llama-server -np 2 -t 2 -fa off": lambda: harness.llama_server(
-            model, slots=2, n_threads=2, extra=("-fa", "off")),
-        FLOOR: lambda: harness.floor_pool(model),
-    }
-    if args.before:
-        commit = harness.checkout_commit(args.before)
-        starts[f"llamapool up at {commit} (2 workers × 1 thread)"] = (
-            lambda: harness.llamapool_up(model, workers=2, threads=1,
-                                         checkout=args.before))
-    if args.flash_attn:
-        starts["llamapool up (2 workers × 1 thread, --flash-attn on)"] = (
-            lambda: harness.llamapool_up(model, workers=2, threads=1,
-                                         extra=("--flash-attn", "on")))
-    ceilings = {CEILING: False, **({CEILING_FA: True} if args.flash_attn else {})}
+    starts, ceilings = targets(model, args)
     rates: dict[str, list[float]] = {name: [] for name in [*starts, *ceilings]}
     ttfts: dict[str, list[float]] = {name: [] for name in starts}
     with contextlib.ExitStack() as stack:
@@ -98,12 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                     prompt=PROMPT, ignore_eos=True, wait_after_503_s=0.05)
                 rates[name].append(report["output_tokens_per_s"])
                 ttfts[name] += ttft_s
-            for name, flash_attn in ceilings.items():
-                ceiling = harness.parallel_generate(
-                    model, processes=2, n_threads=1, prompt=PROMPT,
-                    n_tokens=args.tokens, reps=args.ceiling_reps,
-                    flash_attn=flash_attn)
-                rates[name].append(ceiling["output_tokens_per_s"])
+            for name, measure in ceilings.items():
+                rates[name].append(measure())
             print(f"round {r + 1}, tokens/s: " + "; ".join(
                 f"{name}: {values[-1]:.1f}" for name, values in rates.items()),
                 flush=True)

@@ -45,6 +45,11 @@ class SubmitAdmission:
         if limited is not None:  # its key's limit (``key_limits``): 429
             b.to_frontend(ident, limited)
             return
+        if b.waiting.room.waiters:
+            # A slot freed earlier in this turn of the broker's loop (workers
+            # are read before frontends) freed while only they waited: it
+            # goes by the room's rule before this newcomer may take one.
+            b.waiting.serve(now)
         blocks = msg.prefix_blocks[:MAX_BLOCKS]
         if msg.id_slot == -1:
             slot = b.ledger.assign(msg.job_id, ident, now, blocks, model)
