@@ -8,7 +8,8 @@ reads all the weights once, whatever it carries):
 
 * on an Intel Xeon with AMX (and AVX-512), it does: one batched worker of
   two slots gave 1.4-1.55× the tokens/s of two one-slot workers at
-  concurrency 2 and the same at concurrency 1 (docs/benchmarks/22-batched-one-ubatch.md);
+  concurrency 2 and the same at concurrency 1
+  (docs/benchmarks/22-batched-one-ubatch.md);
 * on the AMD EPYC (AVX2) measured, llama-server's own batch of two gained
   nothing over one stream, and two one-slot workers were 1.11× it, so
   one-slot workers stay the default there and on every CPU not measured.

@@ -10,8 +10,11 @@ Side by side in one run, on the default model (or ``--model``), ``up`` with
    request when the last one ends, a 503 counts as failed) x
    ``--requests-each`` requests of ``--tokens`` tokens: completed tokens/s,
    the share of requests failed, TTFT p50/p99. For llamapool without a queue
-   (503 at once, the seed's rule), with ``--queue-max``, and llama-server
-   ``-np 2`` when its binary is built (``make llama-server``).
+   (503 at once, the seed's rule), with ``--queue-max`` (two one-slot
+   workers, then one worker of two batched slots, ``up``'s default on an
+   AMX CPU), and llama-server ``-np 2`` when its binary is built (``make
+   llama-server``), at its default (flash attention on) and with ``-fa
+   off`` as the pool's workers run.
 2. **Fairness.** With the queue on, key A runs 6 concurrent streams and key
    B one; B's TTFT against A's. Least-recent-service fairness should keep
    B's near one job's length; first come, first served (``--queue-order
@@ -99,12 +102,13 @@ def main() -> None:
         refusing, url = llamapool_up(model, 2, args.threads)
         stack.callback(refusing.stop)
         warm_up(url, 2, PROMPT)
-        rows.append(overload_row("llamapool, 503 at once (default)", url, args))
+        rows.append(overload_row("llamapool 2 workers, 503 at once (the default)",
+                                 url, args))
         refusing.stop()
         waiting, url = llamapool_up(model, 2, args.threads, extra=(*keys, *queue))
         stack.callback(waiting.stop)
-        rows.append(overload_row(f"llamapool, --queue-max {4 * args.clients}", url,
-                                 args, api_key=KEY_A))
+        rows.append(overload_row(f"llamapool 2 workers, --queue-max {4 * args.clients}",
+                                 url, args, api_key=KEY_A))
         fair = [[f"fair: {name}", *rest] for name, *rest in fairness_rows(url, args)]
         waiting.stop()
         batched, url = llamapool_up(model, 1, os.cpu_count() or 1, slots_per_worker=2,
