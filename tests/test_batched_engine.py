@@ -211,6 +211,29 @@ def test_a_step_is_one_ubatch_whichever_slots_take_part(tiny_model, monkeypatch)
     assert [n for _, n in shared] == [1] * len(shared), shared
 
 
+def test_each_slot_is_held_to_its_own_context_in_the_shared_cache(slots):
+    # The cache is unified (K x --ctx cells), so llama.cpp would let one
+    # sequence grow past its share: the token budget must not.
+    def tokens(n: int) -> list[int]:
+        return [1, *(100 + i % 300 for i in range(n - 1))]
+
+    slots.submit(0, "too-long", greedy(tokens(N_CTX), 4))
+    refused = slots.terminal("too-long")
+    assert slots.runner.engine.n_ctx == N_CTX
+    assert isinstance(refused, messages.Error), refused
+    assert refused.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    assert refused.n_ctx == N_CTX
+    prompt = tokens(N_CTX - 10)  # room for 10 tokens
+    slots.submit(0, "fills", greedy(prompt, 100))
+    slots.submit(1, "beside", greedy([1, 40, 41], 30))
+    filled = slots.terminal("fills")
+    assert isinstance(filled, messages.Final), filled
+    assert filled.usage.completion_tokens == N_CTX - len(prompt)
+    assert filled.truncated
+    beside = slots.terminal("beside")
+    assert isinstance(beside, messages.Final) and beside.usage.completion_tokens == 30
+
+
 def test_a_stalled_slot_does_not_hold_back_the_other(tiny_model):
     s = Slots(tiny_model, credit_window_frames=2, stall_timeout_s=1.0)
     try:
