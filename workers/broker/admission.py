@@ -46,9 +46,10 @@ class SubmitAdmission:
             b.to_frontend(ident, limited)
             return
         if b.waiting.room.waiters:
-            # A slot freed earlier in this turn of the broker's loop (workers
-            # are read before frontends) freed while only they waited: it
-            # goes by the room's rule before this newcomer may take one.
+            # Slots freed earlier in this turn of the broker's loop (workers
+            # are read before frontends) freed while only the waiters were
+            # there: they go by the room's rule first, so a newcomer never
+            # overtakes a job that waited.
             b.waiting.serve(now)
         blocks = msg.prefix_blocks[:MAX_BLOCKS]
         if msg.id_slot == -1:

@@ -58,13 +58,13 @@ class BatchLlama(EngineLlama):
 
     Unified, because llama.cpp splits a batch of a per-sequence cache into
     ubatches of consecutive, increasing sequence ids (``split_equal``): a
-    step of slots [1, 0], or of slots 0 and 2 with slot 1 idle, decoded as
-    one-token ubatches, reading the weights once per slot and missing the
-    matrix-matrix kernels (tinyBLAS wants two or more rows), so a batched
-    worker ran at one slot's speed for as long as its jobs stayed in that
-    order. A unified cache is split in batch order (``split_simple``): one
-    ubatch per step, whichever slots take part. What it costs: each token's
-    attention spans every live sequence's cells (masked), not only its own.
+    step of slots [1, 0], or of slots 0 and 2 with slot 1 idle, would decode
+    as one-token ubatches, reading the weights once per slot and missing the
+    matrix-matrix kernels (tinyBLAS wants two or more rows): one slot's
+    speed for as long as the jobs stay in that order. A unified cache is
+    split in batch order (``split_simple``): one ubatch per step, whichever
+    slots take part. What it costs: each token's attention spans every live
+    sequence's cells (masked), not only its own.
 
     ``Llama.__init__`` has no argument for either field: they are set as
     the context params are assigned, before any field of them is read, and
