@@ -313,11 +313,10 @@ def _default_threads(args: argparse.Namespace, specs) -> str | int:
 def _resolve_shape(args: argparse.Namespace) -> None:
     """``--workers`` and ``--slots-per-worker`` when not given
     (``llamapool.pool_shape``), set on ``args`` and logged."""
-    shape = pool_shape(getattr(args, "workers", None),
-                       getattr(args, "slots_per_worker", None),
-                       models_file=bool(getattr(args, "models_file", None)),
-                       gpus=bool(getattr(args, "gpus", None)),
+    shape = pool_shape(args.workers, args.slots_per_worker,
+                       models_file=bool(args.models_file), gpus=bool(args.gpus),
                        engine=os.environ.get("LLAMAPOOL_ENGINE", "llama.cpp"),
+                       # Absent unless given (``add_flags``).
                        threads=getattr(args, "n_threads", None))
     args.workers, args.slots_per_worker = shape.workers, shape.slots_per_worker
     if shape.reason != "given":

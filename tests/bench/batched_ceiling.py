@@ -1,11 +1,13 @@
 """The batched worker's ceiling: its engine's own context decoding K
 sequences in a bare loop, in a child process, with no runner, link or hop.
 
-Each step is one ``llama_decode`` of one token per sequence and one
-``llama_sampler_sample`` per sequence with the chain a request of default
-sampling gets, as the worker's decode loop does; prompt prefill is not
-timed. What a batched pool loses against this is the pool's: its decode
-loop, its frames and hops, and the steps a slot sits out between jobs.
+Each step samples every sequence with the sampler chain a request of
+default sampling gets and decodes one token per sequence, with the
+engine's own ``start``, ``sample`` and ``decode``, as the worker's decode
+loop calls them; prompt prefill is not timed. What a batched pool loses
+against this is the pool's: the rest of its decode loop (each token's
+text, stop strings and frame), its hops, and the steps a slot sits out
+between jobs.
 
     python -m tests.bench.batched_ceiling [--slots 2] [--flash-attn]
 """
@@ -19,51 +21,36 @@ import time
 
 def _loop(model: str, n_slots: int, n_threads: int, prompt: str, n_tokens: int,
           reps: int, flash_attn: bool, results) -> None:
-    import llama_cpp
-
-    from workers.model import llama_internals
+    from protocol import messages
+    from protocol.payloads import COMPLETION, GenerationRequest
+    from workers.model.active_job import ActiveJob
     from workers.model.batched_engine import BatchedEngine
+    from workers.model.settings import WorkerSettings
     from workers.model.weight_repack import repack_enabled
 
     engine = BatchedEngine(model, n_slots=n_slots, n_threads=n_threads,
                            flash_attn=flash_attn, repack=repack_enabled("auto"))
-    ctx, batch = engine._ctx, engine._batch.batch
-    memory = llama_cpp.llama_get_memory(ctx)
-    tokens = engine.llama.tokenize(prompt.encode())
-    samplers = [llama_internals.sampler_chain(
-        engine.llama, temp=0.8, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0,
-        repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
-        for _ in range(n_slots)]
-
-    def fill(entries: list[tuple[int, list[int], int]]) -> None:
-        n = 0
-        for seq, ids, pos in entries:
-            for i, token in enumerate(ids):
-                batch.token[n], batch.pos[n] = token, pos + i
-                batch.n_seq_id[n], batch.seq_id[n][0] = 1, seq
-                batch.logits[n] = False
-                n += 1
-            batch.logits[n - 1] = True
-        batch.n_tokens = n
-
+    settings = WorkerSettings(broker_endpoint="ipc:///nobody", n_slots=n_slots)
+    # Default sampling; the whole prompt prefilled each time (no reuse).
+    request = GenerationRequest(kind=COMPLETION, prompt=prompt, cache_prompt=False)
     decode_s = sample_s = 0.0
     for rep in range(reps + 1):  # the first is a warm-up
-        for seq in range(n_slots):
-            llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
-        fill([(seq, tokens, 0) for seq in range(n_slots)])
-        llama_cpp.llama_decode(ctx, batch)
-        last, pos = [tokens[-1]] * n_slots, len(tokens)
+        slots = [engine.start(seq, ActiveJob(messages.Submit(f"{rep}-{seq}", request),
+                                             lambda _frame: None, settings))
+                 for seq in range(n_slots)]
+        indices = engine.decode([(slot, *slot.prompt_chunk(engine.n_batch))
+                                 for slot in slots])
         for _ in range(n_tokens):
-            fill([(seq, [last[seq]], pos) for seq in range(n_slots)])
             started = time.perf_counter()
-            llama_cpp.llama_decode(ctx, batch)
-            decoded = time.perf_counter()
-            last = [llama_cpp.llama_sampler_sample(samplers[seq].sampler, ctx, seq)
-                    for seq in range(n_slots)]
+            last = [engine.sample(slot, index) for slot, index in zip(slots, indices)]
+            sampled = time.perf_counter()
+            indices = engine.decode([(slot, [token], True)
+                                     for slot, token in zip(slots, last)])
             if rep:
-                decode_s += decoded - started
-                sample_s += time.perf_counter() - decoded
-            pos += 1
+                sample_s += sampled - started
+                decode_s += time.perf_counter() - sampled
+        for slot in slots:
+            slot.close()
     steps = reps * n_tokens
     results.put({"output_tokens_per_s": steps * n_slots / (decode_s + sample_s),
                  "decode_ms_per_step": 1000 * decode_s / steps,
