@@ -1,9 +1,9 @@
 """``--flash-attn on|off`` (llama.cpp's flash attention) through real
 processes: ``up`` hands it to every worker, a worker refuses any other value,
 and the engine gives it to ``Llama(...)`` (read back from the context's
-parameters). Off by default: with it, a prompt continued from a cached state
-no longer generates exactly what a cold prefill does (the settings module
-says why)."""
+parameters). On by default, as llama-server's ``-fa auto`` is on every CPU
+build; ``off`` keeps a prompt continued from a cached state generating
+exactly what a cold prefill does (the settings module says why)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,24 @@ def test_a_worker_refuses_anything_but_on_or_off(tiny_model, tmp_path):
                env=dict(os.environ, LLAMAPOOL_FLASH_ATTN="auto"))
     assert bad.popen.wait(60) != 0
     assert "LLAMAPOOL_FLASH_ATTN='auto': on or off" in bad.log()
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED),
+    ({"LLAMAPOOL_FLASH_ATTN": "off"}, llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED),
+])
+@pytest.mark.parametrize("n_slots", [1, 2])
+def test_a_workers_engine_has_it_on_unless_told_off(tiny_model, env, expected,
+                                                    n_slots):
+    from protocol import settings as config
+    from workers.model.engines import load_engine
+    from workers.model.settings import WorkerSettings
+
+    settings = config.load(WorkerSettings, env, flags={
+        "broker_endpoint": "ipc:///nobody", "model_path": str(tiny_model),
+        "n_ctx": 256, "n_threads": "1", "n_slots": n_slots})
+    engine = load_engine(settings)
+    assert engine.llama.context_params.flash_attn_type == expected
 
 
 @pytest.mark.parametrize("given, expected", [

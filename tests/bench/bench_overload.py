@@ -13,8 +13,8 @@ Side by side in one run, on the default model (or ``--model``), ``up`` with
    (503 at once, the seed's rule), with ``--queue-max`` (two one-slot
    workers, then one worker of two batched slots, ``up``'s default on an
    AMX CPU), and llama-server ``-np 2`` when its binary is built (``make
-   llama-server``), at its default (flash attention on) and with ``-fa
-   off`` as the pool's workers run.
+   llama-server``), at its default (flash attention on, as the pool's) and
+   with ``-fa off``.
 2. **Fairness.** With the queue on, key A runs 6 concurrent streams and key
    B one; B's TTFT against A's. Least-recent-service fairness should keep
    B's near one job's length; first come, first served (``--queue-order
@@ -130,8 +130,8 @@ def main() -> None:
             # (the native-crash issue): both sides without repacking there,
             # as the workers' --repack auto already is.
             no_repack = ("--no-repack",) if cpu_has_amx() else ()
-            # Its default -fa auto turns flash attention on, the pool's is
-            # off: the second row is the comparison at equal settings.
+            # Its default -fa auto turns flash attention on, as the pool's
+            # default does; the second row shows what that is worth to it.
             for flash in ((), ("-fa", "off")):
                 server, url = llama_server(model, 2, 2, extra=(*no_repack, *flash))
                 stack.callback(server.stop)

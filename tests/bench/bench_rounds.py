@@ -18,11 +18,12 @@ The floor (``tests.bench.floor_pool``) has the pool's processes and ZeroMQ
 hops and none of its code: what it loses against the ceiling is what that
 shape costs on this machine, whatever the code; what ``llamapool up`` loses
 against the floor is ours. llama-server runs twice: as it starts by default
-(flash attention ``auto``, so on for this CPU) and with ``-fa off``, as our
-workers run by default (docs/operations.md, "Flash attention").
+(flash attention ``auto``, so on for this CPU) and with ``-fa off``. The
+pool runs with ``--flash-attn off``, as the ceiling's loops do (the pool's
+default is on, docs/operations.md, "Flash attention").
 
-``--flash-attn`` adds the pool and the ceiling with flash attention on, so
-that llama-server's default can also be compared at equal settings.
+``--flash-attn`` adds the pool and the ceilings with flash attention on, to
+compare at llama-server's default settings too.
 
 ``--batched`` adds one worker of two batched slots (all cores; with
 ``--flash-attn``, also with flash attention on) and its own ceiling: the
@@ -50,6 +51,8 @@ LLAMA_SERVER = "llama-server -np 2 -t 2"
 FLOOR = "floor: the pool's processes and hops, no work (2 × 1 thread)"
 BATCHED_CEILING = "batched ceiling: one context, 2 sequences, bare loop"
 BATCHED_CEILING_FA = "batched ceiling, flash attention on"
+#: The pool's rows run as the ceiling's loops do (its default is on).
+FA_OFF = ("--flash-attn", "off")
 
 
 def targets(model: str, args) -> tuple[dict, dict]:
@@ -58,10 +61,11 @@ def targets(model: str, args) -> tuple[dict, dict]:
     no_repack = ("--no-repack",) if cpu_has_amx() else ()
     cores = os.cpu_count() or 1
     starts = {
-        "llamapool up (2 workers × 1 thread)":
-            lambda: harness.llamapool_up(model, workers=2, threads=1),
-        "llamapool up (2 workers, --threads auto)":
-            lambda: harness.llamapool_up(model, workers=2, threads="auto"),
+        "llamapool up (2 workers × 1 thread, --flash-attn off)":
+            lambda: harness.llamapool_up(model, workers=2, threads=1, extra=FA_OFF),
+        "llamapool up (2 workers, --threads auto, --flash-attn off)":
+            lambda: harness.llamapool_up(model, workers=2, threads="auto",
+                                         extra=FA_OFF),
         LLAMA_SERVER: lambda: harness.llama_server(model, slots=2, n_threads=2,
                                                    extra=no_repack),
         "llama-server -np 2 -t 2 -fa off": lambda: harness.llama_server(
@@ -70,17 +74,16 @@ def targets(model: str, args) -> tuple[dict, dict]:
     }
     if args.before:
         commit = harness.checkout_commit(args.before)
-        starts[f"llamapool up at {commit} (2 workers × 1 thread)"] = (
-            lambda: harness.llamapool_up(model, workers=2, threads=1,
+        starts[f"llamapool up at {commit} (2 workers × 1 thread, --flash-attn off)"] = (
+            lambda: harness.llamapool_up(model, workers=2, threads=1, extra=FA_OFF,
                                          checkout=args.before))
     if args.flash_attn:
         starts["llamapool up (2 workers × 1 thread, --flash-attn on)"] = (
             lambda: harness.llamapool_up(model, workers=2, threads=1,
                                          extra=("--flash-attn", "on")))
     if args.batched:
-        for flash in ((), ("--flash-attn", "on"))[:1 + args.flash_attn]:
-            starts[f"llamapool up (1 worker × 2 batched slots{', ' if flash else ''}"
-                   f"{' '.join(flash)})"] = (
+        for flash in (FA_OFF, ("--flash-attn", "on"))[:1 + args.flash_attn]:
+            starts[f"llamapool up (1 worker × 2 batched slots, {' '.join(flash)})"] = (
                 lambda flash=flash: harness.llamapool_up(
                     model, workers=1, threads=cores, slots_per_worker=2, extra=flash))
 

@@ -10,10 +10,10 @@
   clients at a time are refused with 503, counted apart, and ask again after
   ``--wait-after-503``: retrying at once would spin and steal CPU from the
   workers on a small machine);
-* the batched worker again with ``--flash-attn on``, and ``llama-server
-  -np 2 -t 2 -fa off``: llama-server's default ``-fa auto`` turns flash
-  attention on (every CPU build has it) while the pool's default is off, so
-  these two rows give the comparison at equal settings both ways;
+* the batched worker again with ``--flash-attn off``, and ``llama-server
+  -np 2 -t 2 -fa off``: both defaults turn flash attention on (the pool's
+  ``on``, llama-server's ``-fa auto`` on every CPU build), so these two
+  rows give the comparison with it off on both sides too;
 * ``llama-server -np 2`` with ``-t 2`` and with ``-t 1`` (``--no-repack``
   on an AMX CPU, where the workers run without repacking), built from the
   llama.cpp vendored in the installed llama-cpp-python
@@ -108,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
          lambda: harness.llamapool_up(model, workers=1, threads=cores,
                                       slots_per_worker=2)),
         (f"llamapool up (1 worker × 2 batched slots, {cores} threads, "
-         "--flash-attn on)",
+         "--flash-attn off)",
          lambda: harness.llamapool_up(model, workers=1, threads=cores,
                                       slots_per_worker=2,
-                                      extra=("--flash-attn", "on"))),
+                                      extra=("--flash-attn", "off"))),
         (f"llama-server -np 2 -t 2 {' '.join(no_repack)}",
          lambda: harness.llama_server(model, slots=2, n_threads=2, extra=no_repack)),
         (f"llama-server -np 2 -t 2 {' '.join(no_repack)} -fa off",

@@ -20,9 +20,16 @@ from pathlib import Path
 
 from llamapool import loadgen
 from protocol.payloads import Sampling
+from workers.model.settings import WorkerSettings
 from tests.pool import free_port, wait_until
 
 STOP_TIMEOUT_S = 40.0
+
+
+#: The workers' default ``--flash-attn``: the in-process loops run as the
+#: pool does unless a benchmark asks otherwise.
+POOL_FLASH_ATTN = {f.name: f for f in dataclasses.fields(WorkerSettings)}[
+    "flash_attn"].default == "on"
 
 
 def md_table(headers: list[str], rows: list[list[object]]) -> str:
@@ -326,7 +333,7 @@ SAMPLING = {"temp": _DEFAULTS.temperature, "top_k": _DEFAULTS.top_k,
 
 
 def load_llama(model: str, n_threads: int, n_ctx: int = 2048, *,
-               flash_attn: bool = False):
+               flash_attn: bool = POOL_FLASH_ATTN):
     """The model as the worker loads it (``EngineLlama``: a ``LogitBiasLlama``,
     for ``ban_eog``, with this CPU's ``--repack auto``; llama.cpp's default
     repacking crashes on AMX)."""
@@ -416,7 +423,8 @@ def _generate_in_child(model: str, n_threads: int, prompt: str, n_tokens: int,
 
 
 def parallel_generate(model: str, processes: int, n_threads: int, prompt: str,
-                      n_tokens: int, reps: int, *, flash_attn: bool = False) -> dict:
+                      n_tokens: int, reps: int, *,
+                      flash_attn: bool = POOL_FLASH_ATTN) -> dict:
     """The ceiling: ``processes`` in-process generate loops side by side.
 
     Returns requests/s and tokens/s over the slowest process's wall time.

@@ -34,7 +34,7 @@ worker process does. Every default is documented here:
 | LLAMAPOOL_CACHE_RAM            | 2048        | saved prompt states, MiB (0: off) |
 | LLAMAPOOL_SLOT_SAVE_PATH       | (off)       | slot files' directory             |
 | LLAMAPOOL_GPU_LAYERS           | 0           | layers on a GPU (-1: all)         |
-| LLAMAPOOL_FLASH_ATTN           | off         | flash attention: on or off        |
+| LLAMAPOOL_FLASH_ATTN           | on          | flash attention: on or off        |
 | LLAMAPOOL_REPACK               | auto        | weight repacking: auto, on or off |
 | LLAMAPOOL_N_PREDICT            | (endpoint)  | token budget, request without one |
 | LLAMAPOOL_SEED                 | (random)    | seed, request without one         |
@@ -225,16 +225,16 @@ class WorkerSettings:
     gpu_layers: int = setting(
         0, "LLAMAPOOL_GPU_LAYERS", "layers on a GPU (-1: all)",
         flag="--gpu-layers", parse=int, metavar="N")
-    #: llama.cpp's flash attention. llama-server's default (``-fa auto``)
-    #: turns it on wherever the backend has it, every CPU build included;
-    #: llama-cpp-python can only say on or off. On this machine ``on``
-    #: decodes Gemma 3 270M 8-10% faster (BENCHMARKS.md section 13), but a
-    #: prompt continued from a cached KV state then no longer gives exactly
-    #: the tokens a cold prefill gives under greedy sampling (the attention
-    #: sums run in another order; tests/test_prompt_cache_gemma.py fails with
-    #: it), which the prompt cache promises. So ``off`` unless asked.
+    #: llama.cpp's flash attention, on by default as llama-server's
+    #: ``-fa auto`` turns it on wherever the backend has it (every CPU and
+    #: CUDA build). It decodes faster: 1.11x at concurrency 2 on one batched
+    #: worker here (benchmarks section 23). Its cost: a prompt continued from
+    #: a cached KV state (the prompt-state cache, the live sequence) no
+    #: longer gives exactly the tokens a cold prefill gives under greedy
+    #: sampling (the attention sums run in another order for a split batch);
+    #: ``off`` keeps that exact (tests/test_prompt_cache_gemma.py pins it).
     flash_attn: str = setting(
-        "off", "LLAMAPOOL_FLASH_ATTN", "flash attention: on or off",
+        "on", "LLAMAPOOL_FLASH_ATTN", "flash attention: on or off",
         flag="--flash-attn", choices=("on", "off"))
     #: llama.cpp's weight repacking (llama-server's ``--no-repack``): auto
     #: turns it off on a CPU with AMX, whose kernel crashes at the vendored
