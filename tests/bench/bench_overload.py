@@ -32,7 +32,6 @@ import os
 import platform
 
 from tests.bench import llama_server as llama_server_build
-from workers.model.weight_repack import cpu_has_amx
 from tests.bench.harness import (
     llama_server,
     llamapool_up,
@@ -41,6 +40,7 @@ from tests.bench.harness import (
     run_load,
     warm_up,
 )
+from workers.model.weight_repack import cpu_has_amx
 
 KEY_A, KEY_B = "sk-bench-a", "sk-bench-b"
 PROMPT = "Write a short story about a lighthouse keeper."

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from llamapool import loadgen
 from protocol.payloads import Sampling
-from workers.model.settings import WorkerSettings
 from tests.pool import free_port, wait_until
+from workers.model.settings import WorkerSettings
 
 STOP_TIMEOUT_S = 40.0
 
