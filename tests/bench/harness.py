@@ -28,8 +28,7 @@ STOP_TIMEOUT_S = 40.0
 
 #: The workers' default ``--flash-attn``: the in-process loops run as the
 #: pool does unless a benchmark asks otherwise.
-POOL_FLASH_ATTN = {f.name: f for f in dataclasses.fields(WorkerSettings)}[
-    "flash_attn"].default == "on"
+POOL_FLASH_ATTN = WorkerSettings.flash_attn == "on"
 
 
 def md_table(headers: list[str], rows: list[list[object]]) -> str:
