@@ -28,6 +28,12 @@ from protocol import messages
 STOP_TIMEOUT_S = 20.0
 #: Fast liveness for tests: a dead peer is noticed within about 0.6 s.
 TEST_HEARTBEAT = ["--heartbeat-interval-s", "0.2", "--heartbeat-liveness", "3"]
+#: Worker flags for a test that compares greedy texts token for token
+#: (a cached or restored prompt against a cold one, a job beside others
+#: against alone, before and after a thread change): exact only without
+#: flash attention, whose sums run in another order for another split
+#: of the work (docs/operations.md, "Flash attention").
+EXACT_GREEDY = ("--flash-attn", "off")
 
 
 def _die_with_parent() -> None:

@@ -22,13 +22,13 @@ import httpx
 import pytest
 
 from protocol.prefix import BLOCK_TOKENS
-from tests.pool import wait_until
+from tests.pool import EXACT_GREEDY, wait_until
 from tests.pool_factory import pool_fixture
 from tests.test_slot_paths import LONG, RawStream, hold_slot, wait_paused
 
 pytestmark = pytest.mark.stack
 
-batched_pool = pool_fixture(workers=1, slots_per_worker=2)
+batched_pool = pool_fixture(workers=1, slots_per_worker=2, worker_args=EXACT_GREEDY)
 
 #: A greedy completion long enough to pause for credit (what fits in the
 #: socket buffers and the credit window is far less).

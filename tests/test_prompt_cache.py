@@ -14,7 +14,7 @@ import re
 import httpx
 import pytest
 
-from tests.pool import Pool, wait_until
+from tests.pool import EXACT_GREEDY, Pool, wait_until
 from tests.pool_factory import pool_fixture
 
 pytestmark = pytest.mark.stack
@@ -68,11 +68,11 @@ def rss_kib(pid: int) -> int:
 
 
 #: One worker with the default --cache-ram: more conversations than slots.
-one_worker = pool_fixture(workers=1)
+one_worker = pool_fixture(workers=1, worker_args=EXACT_GREEDY)
 
 
 #: One worker with --cache-ram 0: every prompt it has not just run is cold.
-no_cache = pool_fixture(workers=1, worker_args=("--cache-ram", "0"))
+no_cache = pool_fixture(workers=1, worker_args=("--cache-ram", "0", *EXACT_GREEDY))
 
 
 def test_interleaved_conversations_each_find_their_prefix(one_worker):

@@ -17,6 +17,7 @@ import pytest
 
 from frontend.pool_view import SLOT_ID_STRIDE
 from tests.brokers_pool import BrokersPool
+from tests.pool import EXACT_GREEDY
 from tests.pool_factory import PoolOptions
 from tests.test_slot_paths import RawStream, wait_paused
 from workers.model import slot_files
@@ -31,7 +32,7 @@ def saving(pool_factory, tmp_path_factory):
     """A private pool whose two workers keep slot files in one directory."""
     save_dir = tmp_path_factory.mktemp("slot-files")
     options = PoolOptions(workers=2, worker_args=(
-        "--slot-save-path", str(save_dir), "--cache-ram", "0"))
+        "--slot-save-path", str(save_dir), "--cache-ram", "0", *EXACT_GREEDY))
     with pool_factory(options, private=True) as pool:
         pool.save_dir = save_dir
         yield pool

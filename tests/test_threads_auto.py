@@ -20,7 +20,7 @@ import zmq
 
 from protocol import messages
 from protocol.payloads import GenerationRequest, Sampling
-from tests.pool import Pool, wait_until
+from tests.pool import EXACT_GREEDY, Pool, wait_until
 from tests.pool_factory import pool_fixture
 
 pytestmark = pytest.mark.stack
@@ -37,7 +37,8 @@ GREEDY = GenerationRequest(
 # an expired wait, not as a slow test. The credit window is a worker
 # variable (there is no flag for it).
 auto_pool = pool_fixture(workers=2,
-                         worker_args=("--threads", "auto", "--pool-cores", "2"),
+                         worker_args=("--threads", "auto", "--pool-cores", "2",
+                                      *EXACT_GREEDY),
                          worker_env={"LLAMAPOOL_CREDIT_WINDOW_FRAMES": str(WINDOW)},
                          broker_args=("--step-down-wait-s", "10"))
 
