@@ -52,7 +52,7 @@ soak: $(STAMP_TEST)
 	bench-thread-stepdown llama-server bench-cpu-per-token \
 	bench-llama-details bench-embeddings bench-conversations bench-prompt-state \
 	bench-ttft-hops bench-rounds bench-ab bench-handoff bench-native-bias \
-	bench-repack bench-overload
+	bench-repack bench-overload bench-shapes
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -79,6 +79,12 @@ bench-throughput: llama-server
 # side by side, so a few percent can be read through the machine's drift.
 bench-rounds: llama-server
 	$(PY) -m tests.bench.bench_rounds $(BENCH_ARGS)
+
+# The shapes `up` may choose (2 workers with --threads auto, 1 worker of 2
+# batched slots, 2 x 1 thread) against llama-server at concurrency 1/2/4,
+# in interleaved rounds: which one this CPU should get (llamapool/pool_shape.py).
+bench-shapes: llama-server
+	$(PY) -m tests.bench.bench_shapes $(BENCH_ARGS)
 
 # This checkout against another, in interleaved rounds at concurrency 2:
 # make bench-ab BENCH_ARGS="--before /path/to/other/checkout"

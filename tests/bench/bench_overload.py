@@ -29,8 +29,8 @@ import argparse
 import concurrent.futures
 import contextlib
 import os
-import platform
 
+from tests.bench import harness
 from tests.bench import llama_server as llama_server_build
 from tests.bench.harness import (
     llama_server,
@@ -44,17 +44,6 @@ from workers.model.weight_repack import cpu_has_amx
 
 KEY_A, KEY_B = "sk-bench-a", "sk-bench-b"
 PROMPT = "Write a short story about a lighthouse keeper."
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                 if line.startswith("model name")), "unknown CPU")
-    return f"{name}, {os.cpu_count()} cores, AMX: {'yes' if 'amx_tile' in text else 'no'}"
 
 
 def overload_row(name: str, url: str, args, api_key: str | None = None) -> list:
@@ -143,7 +132,7 @@ def main() -> None:
             rows.append(["llama-server -np 2 -t 2", "not built (make llama-server)",
                          "-", "-"])
     print(f"\n## Overload: {args.clients} clients x {args.requests_each} requests of "
-          f"{args.tokens} tokens, 2 slots ({cpu_name()})\n")
+          f"{args.tokens} tokens, 2 slots ({harness.cpu_name()})\n")
     print(md_table(["server", "completed tokens/s", "requests failed",
                     "TTFT p50 / p99, ms"], rows))
     print("\n## Fairness with the queue on: key A 6 streams, key B 1, "

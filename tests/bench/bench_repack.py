@@ -32,17 +32,6 @@ def load(model: str, threads: int, repack: bool):
                        verbose=False)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None,
@@ -73,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name].append(result)
     flags = sorted(f for f in cpu_flags() if f in {"avx2", "avx512f", "amx_int8"})
     print(f"## Weight repacking: {args.rounds} alternating rounds "
-          f"({os.path.basename(model)}, {cpu_name()} [{' '.join(flags)}], "
+          f"({os.path.basename(model)}, {harness.cpu_name()} [{' '.join(flags)}], "
           f"{args.threads} thread(s), {args.tokens} tokens, medians)\n")
     rows = [[name,
              1000 * harness.median([t.ttft_s for t in timings]),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -49,6 +50,19 @@ def md_table(headers: list[str], rows: list[list[object]]) -> str:
              "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    """This CPU's model name, core count and whether it has AMX, for a
+    benchmark's title (which CPU a figure comes from matters here)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.startswith("model name")), "unknown CPU")
+    return f"{name}, {os.cpu_count()} cores, AMX: {'yes' if 'amx_tile' in text else 'no'}"
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
