@@ -10,9 +10,12 @@ reads all the weights once, whatever it carries):
   two slots gave 1.4-1.55× the tokens/s of two one-slot workers at
   concurrency 2 and the same at concurrency 1
   (docs/benchmarks/22-batched-one-ubatch.md);
-* on the AMD EPYC (AVX2) measured, llama-server's own batch of two gained
-  nothing over one stream, and two one-slot workers were 1.11× it, so
-  one-slot workers stay the default there and on every CPU not measured.
+* on the AMD EPYC (AVX2) measured, it does not: llama.cpp's decode step of
+  two or three sequences took two or three times one's (37.2 and 56.8
+  against 18.7 ms; four took 45), so one batched worker of two slots gave
+  0.79-0.96× the tokens/s of two one-slot workers at concurrency 2
+  (docs/benchmarks/24-amd-epyc-rerun.md). One-slot workers stay the default
+  there and on every CPU not measured.
 
 Either flag given keeps the other at its plain default (2 workers, 1 slot
 each): a pool sized on purpose is not reshaped. So do a models file (each
