@@ -32,6 +32,38 @@ def test_a_freed_slot_goes_by_the_rooms_order(fair, order):
     assert picked == order
 
 
+#: The prefix blocks of a prompt a worker holds (its fingerprints stand in).
+WARM, COLD = [11, 12, 13], [21, 22, 23]
+
+
+def held_by_the_idle_worker(waiter) -> int:
+    """The freed slot's worker holds WARM's three blocks and nothing else."""
+    return 3 if waiter.blocks == WARM else 0
+
+
+@pytest.mark.parametrize("fair, first", [(True, "a-warm"), (False, "a-cold")])
+def test_among_one_keys_jobs_the_one_whose_prompt_the_worker_holds_goes_first(
+        fair, first):
+    """Late binding to the cache: the slot is matched to a job when it frees,
+    and of the jobs the fairness rule allows, the one whose prompt that
+    worker holds best goes, ahead of an older one (FIFO keeps arrival order)."""
+    room = WaitingRoom(max_jobs=8, max_tokens=0, timeout_s=60, fair=fair)
+    room.admit(b"frontend", submit("a-cold", "A"), [], COLD, 1.0)
+    room.admit(b"frontend", submit("a-warm", "A"), [], WARM, 2.0)
+    assert room.pick(held_by_the_idle_worker, 10.0).job_id == first
+
+
+def test_the_cache_does_not_override_fairness_between_keys():
+    """A key served less goes first even with a prompt the worker does not
+    hold: the cache only orders the jobs of the key whose turn it is."""
+    room = WaitingRoom(max_jobs=8, max_tokens=0, timeout_s=60, fair=True)
+    room.on_start(submit("a0", "A", prompt=100), 0.0)  # A was served lately
+    room.admit(b"frontend", submit("a-warm", "A"), [], WARM, 1.0)
+    room.admit(b"frontend", submit("b-cold", "B"), [], COLD, 2.0)
+    assert room.pick(held_by_the_idle_worker, 10.0).job_id == "b-cold"
+    assert room.pick(held_by_the_idle_worker, 10.0).job_id == "a-warm"
+
+
 def test_a_slot_freed_as_a_new_job_arrives_goes_to_the_waiter(tmp_path):
     """The broker reads its workers before its frontends in one turn: a
     slot freed by a job's last frame, then a SUBMIT read in the same turn,
