@@ -73,14 +73,25 @@ def clients():
 
 
 def test_a_waiter_gets_the_slot_when_it_frees(queued_pool, clients):
+    def waits() -> tuple[float, float]:
+        return (metric(queued_pool, "llamapool_queue_wait_seconds_count", model=MODEL),
+                metric(queued_pool, "llamapool_queue_wait_seconds_sum", model=MODEL))
+    count_before, sum_before = waits()
     held, _ = hold_slot(queued_pool, headers=auth(KEY_A))
+    submitted = time.monotonic()
     waiter = clients.submit(complete, queued_pool, KEY_B)
     wait_until(lambda: waiting(queued_pool) == 1, 30, "the request to wait")
     assert metric(queued_pool, "llamapool_queue_depth", model=MODEL) == 1
     held.close()
     r = waiter.result(timeout=TIMEOUT_S)
+    answered_in = time.monotonic() - submitted
     assert r.status_code == 200, r.text
     assert waiting(queued_pool) == 0
+    # Its wait is in the histogram: one more job, waiting no longer than
+    # the whole request took.
+    count, total = waits()
+    assert count == count_before + 1
+    assert 0 < total - sum_before <= answered_in
     queued_pool.wait_free(1, 30)
 
 
