@@ -91,3 +91,25 @@ def test_a_slot_freed_as_a_new_job_arrives_goes_to_the_waiter(tmp_path):
     broker._on_frontend_frames(b"fe", late, late.to_wire())
     assert broker.ledger.workers[b"w"].job_id == "waited"
     assert "late" in broker.waiting.room
+
+
+def test_the_queue_ahead_adds_one_lease_per_slot_full_of_waiters():
+    """What a Retry-After adds for the queue (``queue_wait_s``): the jobs
+    waiting ahead, over the live slots, times how long a lease has lasted
+    lately; per model when the request names one."""
+    room = WaitingRoom(max_jobs=8, max_tokens=0, timeout_s=60, fair=True)
+    assert room.queue_wait_s(live_slots=2) == 0.0
+    # Leases learnt from jobs that ran: every one lasted 10 s.
+    for i in range(60):
+        room.on_start(submit(f"ran{i}", "A"), 100.0 * i)
+        room.on_end(f"ran{i}", None, 100.0 * i + 10.0)
+    for i in range(4):
+        room.admit(b"frontend", submit(f"w{i}", "A"), [], [], 1.0)
+    assert room.queue_wait_s(live_slots=2) == pytest.approx(20.0, rel=0.01)
+    assert room.queue_wait_s(live_slots=4) == pytest.approx(10.0, rel=0.01)
+    assert room.queue_wait_s(live_slots=0) == 0.0
+    other = messages.Submit("other", GenerationRequest(
+        kind=COMPLETION, prompt_tokens=[1], model="other-model"), client="A")
+    room.admit(b"frontend", other, [], [], 2.0)
+    assert room.queue_wait_s(live_slots=1, model="other-model") == pytest.approx(
+        10.0, rel=0.01)
