@@ -30,9 +30,9 @@ import concurrent.futures
 import contextlib
 import os
 
-from tests.bench import harness
 from tests.bench import llama_server as llama_server_build
 from tests.bench.harness import (
+    cpu_name,
     llama_server,
     llamapool_up,
     md_table,
@@ -132,7 +132,7 @@ def main() -> None:
             rows.append(["llama-server -np 2 -t 2", "not built (make llama-server)",
                          "-", "-"])
     print(f"\n## Overload: {args.clients} clients x {args.requests_each} requests of "
-          f"{args.tokens} tokens, 2 slots ({harness.cpu_name()})\n")
+          f"{args.tokens} tokens, 2 slots ({cpu_name()})\n")
     print(md_table(["server", "completed tokens/s", "requests failed",
                     "TTFT p50 / p99, ms"], rows))
     print("\n## Fairness with the queue on: key A 6 streams, key B 1, "

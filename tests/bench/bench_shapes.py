@@ -29,21 +29,21 @@ from workers.model.weight_repack import cpu_has_amx
 
 LEVELS = (1, 2, 4)
 FIXED = "llamapool up (2 workers × 1 thread)"
-LLAMA_SERVER = "llama-server -np 2 -t 2"
+# On AMX the vendored llama.cpp's repacked Q4_K matmul crashes: both sides
+# without repacking there, as the workers' --repack auto is.
+NO_REPACK = ("--no-repack",) if cpu_has_amx() else ()
+LLAMA_SERVER = " ".join(("llama-server -np 2 -t 2", *NO_REPACK))
 
 
 def targets(model: str) -> dict:
-    # On AMX the vendored llama.cpp's repacked Q4_K matmul crashes: both
-    # sides without repacking there, as the workers' --repack auto is.
-    no_repack = ("--no-repack",) if cpu_has_amx() else ()
     return {
         FIXED: lambda: harness.llamapool_up(model, workers=2, threads=1),
         "llamapool up (2 workers, --threads auto)": lambda: harness.llamapool_up(
             model, workers=2, threads="auto"),
         "llamapool up (1 worker × 2 batched slots)": lambda: harness.llamapool_up(
             model, workers=1, threads=os.cpu_count() or 1, slots_per_worker=2),
-        " ".join((LLAMA_SERVER, *no_repack)): lambda: harness.llama_server(
-            model, slots=2, n_threads=2, extra=no_repack),
+        LLAMA_SERVER: lambda: harness.llama_server(
+            model, slots=2, n_threads=2, extra=NO_REPACK),
     }
 
 
@@ -76,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     def per_round(name: str, against: str, c: int) -> float:
         return statistics.median(a / b for a, b in zip(rates[name, c], rates[against, c]))
 
-    server = next(name for name in starts if name.startswith(LLAMA_SERVER))
     print(f"\n## Pool shapes, {args.rounds} interleaved rounds "
           f"({os.path.basename(model)}, {args.tokens} tokens, ignore_eos, "
           f"{args.duration:.0f} s per level, {harness.cpu_name()})\n")
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
          "TTFT p50 ms", "TTFT p99 ms"],
         [[name, c, statistics.median(rates[name, c]),
           " ".join(f"{v:.1f}" for v in rates[name, c]),
-          per_round(name, server, c), per_round(name, FIXED, c),
+          per_round(name, LLAMA_SERVER, c), per_round(name, FIXED, c),
           1000 * percentile(ttfts[name, c], 50), 1000 * percentile(ttfts[name, c], 99)]
          for name in starts for c in LEVELS]))
     return 0
