@@ -52,7 +52,7 @@ soak: $(STAMP_TEST)
 	bench-thread-stepdown llama-server bench-cpu-per-token \
 	bench-llama-details bench-embeddings bench-conversations bench-prompt-state \
 	bench-ttft-hops bench-rounds bench-ab bench-handoff bench-native-bias \
-	bench-repack bench-overload bench-shapes
+	bench-repack bench-overload bench-shapes bench-direct-frames
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -85,6 +85,11 @@ bench-rounds: llama-server
 # in interleaved rounds: which one this CPU should get (llamapool/pool_shape.py).
 bench-shapes: llama-server
 	$(PY) -m tests.bench.bench_shapes $(BENCH_ARGS)
+
+# Frames that skip the broker, weighed on the floor before building them
+# (tests/bench/floor_pool.py --direct), beside llama-server and the pool.
+bench-direct-frames: llama-server
+	$(PY) -m tests.bench.bench_direct_frames $(BENCH_ARGS)
 
 # This checkout against another, in interleaved rounds at concurrency 2:
 # make bench-ab BENCH_ARGS="--before /path/to/other/checkout"

@@ -54,17 +54,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=10.0,
                         help="seconds per target, level and round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--levels", type=int, nargs="+", default=list(LEVELS),
+                        help="concurrency levels (default: 1 2 4)")
     args = parser.parse_args(argv)
+    levels = tuple(args.levels)
     model = args.model or harness.default_model()
     starts = targets(model)
-    rates = {(n, c): [] for n in starts for c in LEVELS}
-    ttfts = {(n, c): [] for n in starts for c in LEVELS}
+    rates = {(n, c): [] for n in starts for c in levels}
+    ttfts = {(n, c): [] for n in starts for c in levels}
     with contextlib.ExitStack() as stack:
-        urls = harness.start_warm(stack, starts, concurrency=max(LEVELS), prompt=PROMPT)
+        urls = harness.start_warm(stack, starts, concurrency=max(levels), prompt=PROMPT)
         names = list(urls)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                for c in LEVELS:
+                for c in levels:
                     report, ttft_s = harness.run_load_ttfts(
                         urls[name], concurrency=c, requests=None,
                         duration_s=args.duration, max_tokens=args.tokens,
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
           " ".join(f"{v:.1f}" for v in rates[name, c]),
           per_round(name, LLAMA_SERVER, c), per_round(name, FIXED, c),
           1000 * percentile(ttfts[name, c], 50), 1000 * percentile(ttfts[name, c], 99)]
-         for name in starts for c in LEVELS]))
+         for name in starts for c in levels]))
     return 0
 
 

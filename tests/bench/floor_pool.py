@@ -16,6 +16,13 @@ What llamapool up reaches against this floor, side by side in the same round
 (``make bench-rounds``), is what our own code costs; what the floor itself
 loses against two bare in-process loops is what separate processes and
 ZeroMQ cost on this machine, for any design.
+
+``--direct`` is the other design issue 32 weighs: frames that skip the
+broker. Each frontend binds a PULL socket of its own and names it in the
+SUBMIT; the worker pushes the job's TOKEN and END frames straight to it and
+tells the broker only that the slot is free (FREE). A token then wakes the
+worker's and the frontend's I/O threads and the frontend, not the broker's
+thread and its I/O thread twice more (``make bench-direct-frames``).
 """
 
 from __future__ import annotations
@@ -35,8 +42,9 @@ from workers.model import kv_cache
 from workers.model.detokenizer import IncrementalDetokenizer
 from workers.model.kv_sequence import LlamaSequence
 
-#: Frames: (command, job id, payload).
-SUBMIT, TOKEN, END = b"S", b"T", b"E"
+#: Frames: (command, job id, payload). FREE: a direct worker's slot is free
+#: (its END went to the frontend).
+SUBMIT, TOKEN, END, FREE = b"S", b"T", b"E", b"F"
 
 
 def name_process(name: str) -> None:
@@ -46,20 +54,28 @@ def name_process(name: str) -> None:
         f.write(name)
 
 
-def worker_main(model: str, endpoint: str, loaded) -> None:
-    """Decode with one thread; send each token's text from the decoding thread."""
+def worker_main(model: str, endpoint: str, loaded, n_threads: int = 1) -> None:
+    """Decode with ``n_threads``; send each token's text from the decoding
+    thread: to the broker, or (a SUBMIT that names a frames endpoint) to that
+    frontend."""
     name_process("floor-worker")
-    llama = harness.load_llama(model, 1)
+    llama = harness.load_llama(model, n_threads)
     processors = harness.ban_eog(llama)
     harness.generate_loop(llama, "warm up", 4, processors)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
     sock.connect(endpoint)
     sock.send_multipart([b"READY", b"", b""])
     loaded.release()
     pieces = IncrementalDetokenizer(llama._model.vocab)  # its piece() only
+    to_frontend: dict[str, zmq.Socket] = {}
     while True:
         _, job_id, body = sock.recv_multipart()
-        prompt, n_tokens = json.loads(body)
+        prompt, n_tokens, frames_ep = json.loads(body)
+        if frames_ep and frames_ep not in to_frontend:
+            to_frontend[frames_ep] = ctx.socket(zmq.PUSH)
+            to_frontend[frames_ep].connect(frames_ep)
+        out = to_frontend[frames_ep] if frames_ep else sock
         tokens = llama.tokenize(prompt.encode(), special=True)
         plan = kv_cache.plan_reuse(LlamaSequence(llama), tokens)  # reuse as the worker does
         gen = llama.generate(plan.tokens, reset=plan.reset,
@@ -68,12 +84,16 @@ def worker_main(model: str, endpoint: str, loaded) -> None:
         try:
             for token in gen:
                 n += 1
-                sock.send_multipart([TOKEN, job_id, pieces.piece(token)])
+                out.send_multipart([TOKEN, job_id, pieces.piece(token)])
                 if n >= n_tokens:
                     break
         finally:
             gen.close()
-        sock.send_multipart([END, job_id, str(n).encode()])
+        if out is not sock:
+            # Before the END: the client's next request, which the END sets
+            # off, must find the slot free (the broker queues it if not).
+            sock.send_multipart([FREE, job_id, b""])
+        out.send_multipart([END, job_id, str(n).encode()])
 
 
 def broker_main(frontend_ep: str, worker_ep: str) -> None:
@@ -85,6 +105,14 @@ def broker_main(frontend_ep: str, worker_ep: str) -> None:
     back.bind(worker_ep)
     idle: list[bytes] = []
     owner: dict[bytes, bytes] = {}
+    # A direct worker's FREE and its frontend's next SUBMIT travel different
+    # pipes: a SUBMIT that finds no idle worker waits for the next one.
+    waiting: list[tuple[bytes, bytes, bytes]] = []
+
+    def submit(peer: bytes, job_id: bytes, body: bytes) -> None:
+        owner[job_id] = peer
+        back.send_multipart([idle.pop(0), SUBMIT, job_id, body])
+
     poller = zmq.Poller()
     poller.register(front, zmq.POLLIN)
     poller.register(back, zmq.POLLIN)
@@ -92,20 +120,19 @@ def broker_main(frontend_ep: str, worker_ep: str) -> None:
         for sock, _ in poller.poll():
             if sock is back:
                 worker, command, job_id, body = back.recv_multipart()
-                if command == b"READY":
+                if command != b"READY" and command != FREE:
+                    front.send_multipart([owner[job_id], command, job_id, body])
+                if command != TOKEN:
+                    owner.pop(job_id, None)
                     idle.append(worker)
-                    continue
-                front.send_multipart([owner[job_id], command, job_id, body])
-                if command == END:
-                    del owner[job_id]
-                    idle.append(worker)
+                    if waiting:
+                        submit(*waiting.pop(0))
             else:
                 peer, command, job_id, body = front.recv_multipart()
-                if not idle:  # the load never asks for more than the slots
-                    front.send_multipart([peer, END, job_id, b"0"])
-                    continue
-                owner[job_id] = peer
-                back.send_multipart([idle.pop(0), SUBMIT, job_id, body])
+                if idle:
+                    submit(peer, job_id, body)
+                else:  # the load never asks for more than the slots
+                    waiting.append((peer, job_id, body))
 
 
 class Conn:
@@ -126,23 +153,30 @@ HEADERS = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
 HEALTH = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 
-def frontend_main(port: int, broker_ep: str) -> None:
-    """HTTP in, SUBMIT out, frames to SSE chunks: one thread, one poller."""
+def frontend_main(port: int, broker_ep: str, frames_ep: str = "") -> None:
+    """HTTP in, SUBMIT out, frames to SSE chunks: one thread, one poller.
+    ``frames_ep``: bind it and have workers send frames there directly."""
     name_process("floor-frontend")
     listener = socket.create_server(("127.0.0.1", port))
     listener.setblocking(False)
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
     dealer.connect(broker_ep)
     poller = zmq.Poller()
     poller.register(dealer, zmq.POLLIN)
+    frames = None
+    if frames_ep:
+        frames = ctx.socket(zmq.PULL)
+        frames.bind(frames_ep)
+        poller.register(frames, zmq.POLLIN)
     poller.register(listener.fileno(), zmq.POLLIN)
     conns: dict[int, Conn] = {}
     jobs: dict[bytes, Conn] = {}
     next_job = 0
     while True:
         for item, _ in poller.poll():
-            if item is dealer:
-                command, job_id, body = dealer.recv_multipart()
+            if item is dealer or item is frames:
+                command, job_id, body = item.recv_multipart()
                 conn = jobs[job_id]
                 if command == TOKEN:
                     conn.sock.sendall(sse({"choices": [
@@ -189,7 +223,7 @@ def frontend_main(port: int, broker_ep: str) -> None:
                 jobs[job_id] = conn
                 conn.sock.sendall(HEADERS)
                 dealer.send_multipart([SUBMIT, job_id, json.dumps(
-                    [body["prompt"], body["max_tokens"]]).encode()])
+                    [body["prompt"], body["max_tokens"], frames_ep]).encode()])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,13 +231,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="per worker")
+    parser.add_argument("--direct", action="store_true",
+                        help="workers send frames to the frontend, not through the broker")
     args = parser.parse_args(argv)
     run_dir = tempfile.mkdtemp(prefix="floor-pool-")
     front_ep, worker_ep = (f"ipc://{run_dir}/frontends", f"ipc://{run_dir}/workers")
+    frames_ep = f"ipc://{run_dir}/frames" if args.direct else ""
     spawn = multiprocessing.get_context("spawn")
     loaded = spawn.Semaphore(0)
     procs = [spawn.Process(target=broker_main, args=(front_ep, worker_ep)),
-             *(spawn.Process(target=worker_main, args=(args.model, worker_ep, loaded))
+             *(spawn.Process(target=worker_main,
+                             args=(args.model, worker_ep, loaded, args.threads))
                for _ in range(args.workers))]
     def on_sigterm(*_) -> None:
         raise SystemExit(0)  # the finally below ends the children
@@ -215,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             p.start()
         for _ in range(args.workers):
             loaded.acquire()  # listen (and answer /health) once all can serve
-        frontend = spawn.Process(target=frontend_main, args=(args.port, front_ep),
-                                 daemon=True)
+        frontend = spawn.Process(target=frontend_main,
+                                 args=(args.port, front_ep, frames_ep), daemon=True)
         frontend.start()
         procs.append(frontend)
         procs[0].join()  # until SIGTERM

@@ -275,12 +275,15 @@ def llama_server(model: str, slots: int, n_threads: int, *, ctx: int = 2048,
     return Server("llama-server", [*argv, *extra], url + "/health"), url
 
 
-def floor_pool(model: str, workers: int = 2) -> tuple[Server, str]:
-    """``tests.bench.floor_pool``: llamapool's processes and hops, no work."""
+def floor_pool(model: str, workers: int = 2, *, threads: int = 1,
+               direct: bool = False) -> tuple[Server, str]:
+    """``tests.bench.floor_pool``: llamapool's processes and hops, no work;
+    ``direct``: frames that skip the broker."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "tests.bench.floor_pool", "--model", model,
-            "--port", str(port), "--workers", str(workers)]
+            "--port", str(port), "--workers", str(workers), "--threads", str(threads),
+            *(("--direct",) if direct else ())]
     return Server("floor-pool", argv, url + "/health"), url
 
 
