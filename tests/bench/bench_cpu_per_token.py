@@ -87,9 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--threads", default="1", help="--threads for the workers")
+    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--floor", action="store_true",
                         help="measure tests/bench/floor_pool.py instead (the "
                              "pool's processes and hops, none of its code)")
+    parser.add_argument("--direct", action="store_true",
+                        help="with --floor: workers send frames to the frontend, "
+                             "not through the broker")
     parser.add_argument("--checkout", default=None, metavar="DIR",
                         help="measure the llamapool of another checkout (a "
                              "before/after: run this with and without it, "
@@ -97,12 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = args.model or harness.default_model()
     if args.floor:
-        server, url = harness.floor_pool(model)
-        what = "the floor pool (2 workers × 1 thread)"
+        threads = int(args.threads) if args.threads.isdigit() else os.cpu_count() or 1
+        server, url = harness.floor_pool(model, args.workers, threads=threads,
+                                         direct=args.direct)
+        what = (f"the floor pool ({args.workers} workers × {threads} threads"
+                f"{', frames straight to the frontend' if args.direct else ''})")
     else:
-        server, url = harness.llamapool_up(model, workers=2, threads=args.threads,
-                                           checkout=args.checkout)
-        what = f"up --workers 2 --threads {args.threads}"
+        server, url = harness.llamapool_up(model, workers=args.workers,
+                                           threads=args.threads, checkout=args.checkout)
+        what = f"up --workers {args.workers} --threads {args.threads}"
         if args.checkout:
             what += f" at {harness.checkout_commit(args.checkout)}"
     try:
