@@ -18,7 +18,6 @@ llama-server and to the relayed floor of the same shape, TTFT p50/p99.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -53,12 +52,7 @@ def floor_name(name: str, c: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="GGUF (default: Gemma 3 270M)")
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--duration", type=float, default=10.0,
-                        help="seconds per target, level and round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = harness.rounds_parser(__doc__, rounds=5)
     args = parser.parse_args(argv)
     model = args.model or harness.default_model()
     plan = targets(model)

@@ -17,7 +17,6 @@ default before issue 32), and TTFT p50/p99 over all rounds.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -48,12 +47,7 @@ def targets(model: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="GGUF (default: Gemma 3 270M)")
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--duration", type=float, default=10.0,
-                        help="seconds per target, level and round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = harness.rounds_parser(__doc__, rounds=3)
     parser.add_argument("--levels", type=int, nargs="+", default=list(LEVELS),
                         help="concurrency levels (default: 1 2 4)")
     args = parser.parse_args(argv)

@@ -7,6 +7,7 @@ process started as a user starts it, and stopped with SIGTERM.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import os
@@ -30,6 +31,18 @@ STOP_TIMEOUT_S = 40.0
 #: The workers' default ``--flash-attn``: the in-process loops run as the
 #: pool does unless a benchmark asks otherwise.
 POOL_FLASH_ATTN = WorkerSettings.flash_attn == "on"
+
+
+def rounds_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
+    """The flags every interleaved-rounds benchmark takes: the model, tokens
+    per request, seconds per target and level in a round, and rounds."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF (default: Gemma 3 270M)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--duration", type=float, default=10.0,
+                        help="seconds per target, level and round")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    return parser
 
 
 def md_table(headers: list[str], rows: list[list[object]]) -> str:
