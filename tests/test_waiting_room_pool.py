@@ -198,12 +198,14 @@ def test_a_freed_slot_goes_to_the_key_served_least(queued_pool, clients):
     # whoever got the freed slot keeps it: the order is read off the queue,
     # not off which client thread happened to finish first.
     b_stream = RawStream(queued_pool.port, LONG, headers=auth(KEY_B))
-    wait_until(lambda: waiting(queued_pool) == 4, 30, "4 waiting")
-    held.close()
-    b_stream.read_until(b"data: ")
-    # First in, first out would have run A's three jobs before B's; fairness
-    # gives B the slot while all three still wait.
-    assert waiting(queued_pool) == 3
-    b_stream.close()
+    try:
+        wait_until(lambda: waiting(queued_pool) == 4, 30, "4 waiting")
+        held.close()
+        b_stream.read_until(b"data: ")
+        # First in, first out would have run A's three jobs before B's;
+        # fairness gives B the slot while all three still wait.
+        assert waiting(queued_pool) == 3
+    finally:
+        b_stream.close()
     assert all(f.result(timeout=TIMEOUT_S).status_code == 200 for f in futures)
     queued_pool.wait_free(1, 30)

@@ -56,20 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = args.model or harness.default_model()
     plan = targets(model)
-    runs = [(n, c) for n, (_, levels) in plan.items() for c in levels]
-    rates = {run: [] for run in runs}
-    ttfts = {run: [] for run in runs}
     with contextlib.ExitStack() as stack:
         urls = harness.start_warm(stack, {n: start for n, (start, _) in plan.items()},
                                   concurrency=2, prompt=PROMPT)
-        for r in range(args.rounds):
-            for name, c in runs[r % len(runs):] + runs[:r % len(runs)]:
-                report, ttft_s = harness.run_load_ttfts(
-                    urls[name], concurrency=c, requests=None, duration_s=args.duration,
-                    max_tokens=args.tokens, prompt=PROMPT, ignore_eos=True)
-                rates[name, c].append(report["output_tokens_per_s"])
-                ttfts[name, c] += ttft_s
-            print(f"round {r + 1} done", flush=True)
+        rates, ttfts = harness.interleaved_rounds(
+            urls, [[(n, c)] for n, (_, levels) in plan.items() for c in levels],
+            args, PROMPT)
 
     def per_round(run: tuple[str, int], against: tuple[str, int]) -> float:
         return statistics.median(a / b for a, b in zip(rates[run], rates[against]))

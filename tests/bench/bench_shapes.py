@@ -54,21 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     levels = tuple(args.levels)
     model = args.model or harness.default_model()
     starts = targets(model)
-    rates = {(n, c): [] for n in starts for c in levels}
-    ttfts = {(n, c): [] for n in starts for c in levels}
     with contextlib.ExitStack() as stack:
         urls = harness.start_warm(stack, starts, concurrency=max(levels), prompt=PROMPT)
-        names = list(urls)
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                for c in levels:
-                    report, ttft_s = harness.run_load_ttfts(
-                        urls[name], concurrency=c, requests=None,
-                        duration_s=args.duration, max_tokens=args.tokens,
-                        prompt=PROMPT, ignore_eos=True, wait_after_503_s=0.05)
-                    rates[name, c].append(report["output_tokens_per_s"])
-                    ttfts[name, c] += ttft_s
-            print(f"round {r + 1} done", flush=True)
+        # A target's levels run together, one after another.
+        rates, ttfts = harness.interleaved_rounds(
+            urls, [[(name, c) for c in levels] for name in starts], args, PROMPT,
+            wait_after_503_s=0.05)
 
     def per_round(name: str, against: str, c: int) -> float:
         return statistics.median(a / b for a, b in zip(rates[name, c], rates[against, c]))

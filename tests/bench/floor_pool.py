@@ -120,7 +120,7 @@ def broker_main(frontend_ep: str, worker_ep: str) -> None:
         for sock, _ in poller.poll():
             if sock is back:
                 worker, command, job_id, body = back.recv_multipart()
-                if command != b"READY" and command != FREE:
+                if command not in (b"READY", FREE):
                     front.send_multipart([owner[job_id], command, job_id, body])
                 if command != TOKEN:
                     owner.pop(job_id, None)

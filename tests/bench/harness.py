@@ -337,6 +337,27 @@ def run_load_ttfts(url: str, **config) -> tuple[dict, list[float]]:
             [r.ttft_s for r in results if r.ok and r.ttft_s is not None])
 
 
+def interleaved_rounds(urls: dict[str, str], groups: list[list[tuple[str, int]]],
+                       args, prompt: str, **load) -> tuple[dict, dict]:
+    """Run every (target, concurrency) of ``groups`` for ``args.duration``
+    seconds, ``args.rounds`` times; each round starts one group later, so
+    the machine's drift falls on every target alike. ``args``: a
+    ``rounds_parser``'s. Returns the tokens/s per run and round, and every
+    request's time to first token per run."""
+    rates = {run: [] for group in groups for run in group}
+    ttfts = {run: [] for group in groups for run in group}
+    for r in range(args.rounds):
+        for group in groups[r % len(groups):] + groups[:r % len(groups)]:
+            for name, c in group:
+                report, ttft_s = run_load_ttfts(
+                    urls[name], concurrency=c, requests=None, duration_s=args.duration,
+                    max_tokens=args.tokens, prompt=prompt, ignore_eos=True, **load)
+                rates[name, c].append(report["output_tokens_per_s"])
+                ttfts[name, c] += ttft_s
+        print(f"round {r + 1} done", flush=True)
+    return rates, ttfts
+
+
 # --- in-process generation -----------------------------------------------------
 
 
