@@ -217,7 +217,8 @@ class Threads(Message):
 @_register(0x07)
 class ThreadsSet(Message):
     """``--threads auto`` worker -> broker: from its next decode on it uses
-    ``n_threads`` threads (the answer to THREADS, sent once applied). The
+    no more than ``n_threads`` threads (the answer to THREADS, sent once in
+    force: at once if it already decodes with no more). The
     broker holds a new job's SUBMIT until the running workers on its host
     have stepped down (``workers.broker.step_down``)."""
 

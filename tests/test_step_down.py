@@ -73,3 +73,55 @@ def test_a_running_job_confirms_each_new_budget_once():
     assert job.threads_to_use(1) == 1
     confirmed = [m.n_threads for m in sent if isinstance(m, messages.ThreadsSet)]
     assert confirmed == [2, 1]
+
+
+def running_job(budget: list[ThreadBudget]) -> tuple[ActiveJob, list]:
+    sent: list[messages.Message] = []
+    job = ActiveJob(
+        messages.Submit("j", GenerationRequest(kind="completion", prompt="x")),
+        sent.append, WorkerSettings(broker_endpoint="tcp://127.0.0.1:1"),
+        lambda: budget[0])
+    return job, sent
+
+
+def test_a_budget_at_or_above_the_running_count_is_in_force_at_once():
+    """A survivor at one thread told two, then one again before its next
+    token (the next job landed meanwhile), never decoded with two: the link
+    confirms the one at once instead of holding the new job for a token."""
+    budget = [ThreadBudget(1, 0.0, 0)]
+    job, _ = running_job(budget)
+    assert job.threads_to_use(1) == 1  # decoding with one
+    budget[0] = ThreadBudget(2, 1.0, 1)  # THREADS 2 stored, not yet taken
+    assert job.in_force_at_once(2)
+    budget[0] = ThreadBudget(1, 1.1, 2)  # THREADS 1 before its next token
+    assert job.in_force_at_once(1)
+
+
+def test_a_step_down_from_the_running_count_waits_for_the_decode_loop():
+    budget = [ThreadBudget(2, 0.0, 0)]
+    job, sent = running_job(budget)
+    assert job.threads_to_use(2) == 2  # decoding with two
+    budget[0] = ThreadBudget(1, 1.0, 1)
+    assert not job.in_force_at_once(1)
+    assert job.threads_to_use(2) == 1  # its next token takes it
+    assert [m.n_threads for m in sent if isinstance(m, messages.ThreadsSet)] == [2, 1]
+
+
+def test_a_budget_stored_while_the_count_is_chosen_is_taken_not_confirmed_early():
+    """The link stores THREADS 1 between the decode loop's read of THREADS 2
+    and its second read: the loop takes the one, and confirms only that."""
+    reads = iter([ThreadBudget(2, 0.0, 1), ThreadBudget(1, 0.1, 2)])
+    latest = [None]
+
+    def wanted():
+        latest[0] = next(reads, latest[0])
+        return latest[0]
+
+    sent: list[messages.Message] = []
+    job = ActiveJob(
+        messages.Submit("j", GenerationRequest(kind="completion", prompt="x")),
+        sent.append, WorkerSettings(broker_endpoint="tcp://127.0.0.1:1"), wanted)
+    assert job.threads_to_use(1) == 1
+    assert not job.in_force_at_once(0)
+    assert job.in_force_at_once(1)
+    assert [m.n_threads for m in sent if isinstance(m, messages.ThreadsSet)] == [1]

@@ -24,6 +24,10 @@ from workers.model.settings import WorkerSettings
 log = logging.getLogger("llamapool.worker")
 
 
+#: ``_confirm_budget``'s default: read the current budget.
+_UNREAD = object()
+
+
 @dataclasses.dataclass(frozen=True)
 class ThreadBudget:
     """``--threads auto``: the thread count the broker last gave this worker
@@ -180,33 +184,57 @@ class ActiveJob:
             self.pauses += 1
             self._paused_since = None
 
-    def _confirm_budget(self) -> ThreadBudget | None:
-        """Tell the broker the current thread budget is in force from the next
-        decode on (it may be holding a new job until we step down:
-        ``workers.broker.step_down``), once per budget."""
-        budget = self._wanted_threads()
+    def _confirm_budget(self, budget: ThreadBudget | None | object = _UNREAD
+                        ) -> ThreadBudget | None:
+        """Tell the broker that ``budget`` (default: the current one) is in
+        force from the next decode on (it may be holding a new job until we
+        step down: ``workers.broker.step_down``), once per budget."""
+        if budget is _UNREAD:
+            budget = self._wanted_threads()
         if budget is not None and budget.seq != self._confirmed_budget:
             self._confirmed_budget = budget.seq
             self._send(messages.ThreadsSet(budget.n_threads))
         return budget
 
+    def in_force_at_once(self, n_threads: int) -> bool:
+        """Called by the link thread once it has stored a new budget of
+        ``n_threads``: whether that budget is in force already, so that the
+        link confirms it now rather than the decode loop after its current
+        token. It is when the job is paused (it applies the budget before it
+        decodes again), and when the decode running now (or the next one,
+        its count already chosen) uses no more threads than that: a survivor
+        told to step up and, before its next token, back down again never
+        took the higher count, and the broker need not hold the new job's
+        SUBMIT for a token it decodes as it was.
+
+        The job publishes ``paused`` and its count, then reads the budget
+        (again); the link stores the budget, then reads them: one of the two
+        sees the other's write, so a count above the new budget is never
+        confirmed early."""
+        return self.paused or self._threads_in_use <= n_threads
+
     def threads_to_use(self, current: int) -> int:
         # The engine applies the answer right after this returns, before its
         # next decode.
-        budget = self._confirm_budget()
-        if budget is None:
-            n = current
-        else:
-            n, told_at = budget.n_threads, budget.told_at
+        started = self._threads_in_use != 0
+        while True:
+            budget = self._wanted_threads()
+            n = current if budget is None else budget.n_threads
+            # Published before the budget is read again: ``in_force_at_once``.
+            self._threads_in_use = n
+            if self._wanted_threads() is budget:
+                break
+        self._confirm_budget(budget)
+        if budget is not None:
+            told_at = budget.told_at
             if n != current:
                 # How long the host was oversubscribed (or under-used): the
                 # decode that was running when THREADS arrived.
                 # (tests/bench/bench_thread_stepdown.py reads this line.)
                 log.debug("job %s: threads %d -> %d %s, %.1f ms after THREADS",
                           self.job_id, current, n,
-                          "mid-job" if self._threads_in_use else "at its start",
+                          "mid-job" if started else "at its start",
                           (time.monotonic() - told_at) * 1000)
-        self._threads_in_use = n  # the engine applies it before its next decode
         return n
 
     def report_progress(self, n_prompt, n_generated, max_tokens, tokens_per_s,

@@ -374,11 +374,13 @@ class WorkerLink(LinkHandler):
         self._thread_budget = ThreadBudget(
             msg.n_threads, time.monotonic(), self._thread_budget.seq + 1)
         job = self._job
-        if job is None or job.paused:
-            # Not decoding: in force at once (a paused job applies it before
-            # its next decode). The budget is stored before ``paused`` is
-            # read, and the job sets ``paused`` before it reads the budget,
-            # so one of the two confirms it.
+        if job is None or job.in_force_at_once(msg.n_threads):
+            # Not decoding, paused, or decoding with no more threads than
+            # this: ``ActiveJob.in_force_at_once``. The decode loop may
+            # confirm it again when it takes it. THREADS_SET names no budget,
+            # so a late one, this or any other, can release a hold that a
+            # newer THREADS made one token early: one oversubscribed token at
+            # worst, as before.
             self.connection.send(messages.ThreadsSet(msg.n_threads))
 
     def on_lost(self, silent_s: float) -> None:
