@@ -6,8 +6,9 @@ does a change make the pool faster?
     # or: python -m tests.bench.bench_ab --before /tmp/before
     # tracing on against off, one checkout: --ttft --traced --before .
 
-Both pools (``llamapool up --workers 2 --threads 1``, the default model) are
-up at once, each warmed up first; an idle pool costs no CPU. Each round runs both for
+Both pools (``llamapool up --workers 2 --threads 1``, or ``--threads auto``;
+the default model) are up at once, with llama-server ``-np 2 -t 2`` beside
+them under ``--llama-server``, each warmed up first; an idle pool costs no CPU. Each round runs both for
 ``--duration`` seconds, in an order that alternates from round to round, and
 the printed figure is each round's ratio of this checkout's tokens/s to the
 other's, with their median and mean. On this shared 2-core machine one
@@ -29,6 +30,8 @@ from tests.bench.bench_overhead import PROMPT as TTFT_PROMPT
 from tests.bench.bench_throughput import PROMPT
 from tests.bench.otlp_sink import OtlpSink
 
+LLAMA_SERVER = "llama-server -np 2 -t 2"
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens per request (default 64; with --ttft, 1)")
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--threads", default="1",
+                        help="the workers' --threads: a count, or auto")
+    parser.add_argument("--llama-server", action="store_true",
+                        help="run llama-server -np 2 -t 2 in the same rounds too")
     parser.add_argument("--duration", type=float, default=12.0,
                         help="seconds per pool per round")
     parser.add_argument("--rounds", type=int, default=12)
@@ -64,38 +71,43 @@ def main(argv: list[str] | None = None) -> int:
     starts = {
         # Both through ``checkout``, so that both import their code the same
         # way (working directory and PYTHONPATH).
-        this: lambda: harness.llamapool_up(model, workers=2, threads=1,
+        this: lambda: harness.llamapool_up(model, workers=2, threads=args.threads,
                                            checkout=os.getcwd()),
-        other: lambda: harness.llamapool_up(model, workers=2, threads=1,
+        other: lambda: harness.llamapool_up(model, workers=2, threads=args.threads,
                                             checkout=args.before),
     }
+    if args.llama_server:
+        starts[LLAMA_SERVER] = lambda: harness.llama_server(model, slots=2, n_threads=2)
     rates: dict[str, list[float]] = {name: [] for name in starts}
+    ttfts: dict[str, list[float]] = {name: [] for name in starts}
     with contextlib.ExitStack() as stack:
         urls = harness.start_warm(stack, starts, concurrency=args.concurrency,
                                   prompt=PROMPT)
         for r in range(args.rounds):
-            order = [this, other] if r % 2 == 0 else [other, this]
-            for name in order:
-                report = harness.run_load(
+            names = list(starts)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                report, ttft_s = harness.run_load_ttfts(
                     urls[name], concurrency=args.concurrency, requests=None,
                     duration_s=args.duration, max_tokens=args.tokens,
                     prompt=PROMPT, ignore_eos=True, wait_after_503_s=0.05)
                 rates[name].append(report["output_tokens_per_s"])
+                ttfts[name] += ttft_s
             print(f"round {r + 1}, tokens/s: {this} {rates[this][-1]:.1f}, "
                   f"{other} {rates[other][-1]:.1f}", flush=True)
     ratios = [a / b for a, b in zip(rates[this], rates[other])]
-    print(f"\n## {this} against {other}: concurrency {args.concurrency}, "
+    print(f"\n## {this} against {other}: --threads {args.threads}, "
+          f"concurrency {args.concurrency}, "
           f"{args.rounds} interleaved rounds ({os.path.basename(model)}, "
           f"{args.tokens} tokens, ignore_eos, {args.duration:.0f} s per pool per "
           f"round)\n")
     print(harness.md_table(
-        ["", "median", "mean", "per round"],
-        [[f"{this} tokens/s", statistics.median(rates[this]),
-          statistics.mean(rates[this]), " ".join(f"{v:.1f}" for v in rates[this])],
-         [f"{other} tokens/s", statistics.median(rates[other]),
-          statistics.mean(rates[other]), " ".join(f"{v:.1f}" for v in rates[other])],
+        ["", "median", "mean", "per round", "TTFT p50 ms", "p90", "p99"],
+        [*([f"{name} tokens/s", statistics.median(rates[name]),
+            statistics.mean(rates[name]), " ".join(f"{v:.1f}" for v in rates[name]),
+            *(1000 * percentile(ttfts[name], q) for q in (50, 90, 99))]
+           for name in starts),
          ["ratio, this / before", statistics.median(ratios), statistics.mean(ratios),
-          " ".join(f"{v:.3f}" for v in ratios)]]))
+          " ".join(f"{v:.3f}" for v in ratios), "", "", ""]]))
     below = sum(1 for v in ratios if v < 1)
     print(f"\n{below} of {len(ratios)} rounds below 1.")
     return 0
