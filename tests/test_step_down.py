@@ -58,15 +58,20 @@ def test_a_cancelled_job_is_released_at_once_and_once_only():
     assert held.stepped_down(A, 1) == []
 
 
+def running_job(wanted) -> tuple[ActiveJob, list[messages.Message]]:
+    """A job whose thread budget is ``wanted()``, and what it sends."""
+    sent: list[messages.Message] = []
+    job = ActiveJob(
+        messages.Submit("j", GenerationRequest(kind="completion", prompt="x")),
+        sent.append, WorkerSettings(broker_endpoint="tcp://127.0.0.1:1"), wanted)
+    return job, sent
+
+
 def test_a_running_job_confirms_each_new_budget_once():
     """The worker's side: the decode loop confirms a budget when it takes it
     in force (the broker may be holding a SUBMIT for it), once per THREADS."""
-    sent: list[messages.Message] = []
     budget = [ThreadBudget(2, 0.0, 0)]
-    job = ActiveJob(
-        messages.Submit("j", GenerationRequest(kind="completion", prompt="x")),
-        sent.append, WorkerSettings(broker_endpoint="tcp://127.0.0.1:1"),
-        lambda: budget[0])
+    job, sent = running_job(lambda: budget[0])
     assert job.threads_to_use(2) == 2
     budget[0] = ThreadBudget(1, 1.0, 1)  # THREADS 1 arrived
     assert job.threads_to_use(2) == 1
@@ -75,21 +80,12 @@ def test_a_running_job_confirms_each_new_budget_once():
     assert confirmed == [2, 1]
 
 
-def running_job(budget: list[ThreadBudget]) -> tuple[ActiveJob, list]:
-    sent: list[messages.Message] = []
-    job = ActiveJob(
-        messages.Submit("j", GenerationRequest(kind="completion", prompt="x")),
-        sent.append, WorkerSettings(broker_endpoint="tcp://127.0.0.1:1"),
-        lambda: budget[0])
-    return job, sent
-
-
 def test_a_budget_at_or_above_the_running_count_is_in_force_at_once():
     """A survivor at one thread told two, then one again before its next
     token (the next job landed meanwhile), never decoded with two: the link
     confirms the one at once instead of holding the new job for a token."""
     budget = [ThreadBudget(1, 0.0, 0)]
-    job, _ = running_job(budget)
+    job, _ = running_job(lambda: budget[0])
     assert job.threads_to_use(1) == 1  # decoding with one
     budget[0] = ThreadBudget(2, 1.0, 1)  # THREADS 2 stored, not yet taken
     assert job.in_force_at_once(2)
@@ -99,7 +95,7 @@ def test_a_budget_at_or_above_the_running_count_is_in_force_at_once():
 
 def test_a_step_down_from_the_running_count_waits_for_the_decode_loop():
     budget = [ThreadBudget(2, 0.0, 0)]
-    job, sent = running_job(budget)
+    job, sent = running_job(lambda: budget[0])
     assert job.threads_to_use(2) == 2  # decoding with two
     budget[0] = ThreadBudget(1, 1.0, 1)
     assert not job.in_force_at_once(1)
@@ -117,10 +113,7 @@ def test_a_budget_stored_while_the_count_is_chosen_is_taken_not_confirmed_early(
         latest[0] = next(reads, latest[0])
         return latest[0]
 
-    sent: list[messages.Message] = []
-    job = ActiveJob(
-        messages.Submit("j", GenerationRequest(kind="completion", prompt="x")),
-        sent.append, WorkerSettings(broker_endpoint="tcp://127.0.0.1:1"), wanted)
+    job, sent = running_job(wanted)
     assert job.threads_to_use(1) == 1
     assert not job.in_force_at_once(0)
     assert job.in_force_at_once(1)

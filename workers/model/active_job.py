@@ -24,10 +24,6 @@ from workers.model.settings import WorkerSettings
 log = logging.getLogger("llamapool.worker")
 
 
-#: ``_confirm_budget``'s default: read the current budget.
-_UNREAD = object()
-
-
 @dataclasses.dataclass(frozen=True)
 class ThreadBudget:
     """``--threads auto``: the thread count the broker last gave this worker
@@ -141,7 +137,7 @@ class ActiveJob:
                         # Set paused first, then read the budget: the link
                         # thread stores the budget, then reads ``paused``,
                         # so one of the two confirms it.
-                        self._confirm_budget()
+                        self._confirm_budget(self._wanted_threads())
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         self.stalled = True
@@ -184,17 +180,13 @@ class ActiveJob:
             self.pauses += 1
             self._paused_since = None
 
-    def _confirm_budget(self, budget: ThreadBudget | None | object = _UNREAD
-                        ) -> ThreadBudget | None:
-        """Tell the broker that ``budget`` (default: the current one) is in
-        force from the next decode on (it may be holding a new job until we
-        step down: ``workers.broker.step_down``), once per budget."""
-        if budget is _UNREAD:
-            budget = self._wanted_threads()
+    def _confirm_budget(self, budget: ThreadBudget | None) -> None:
+        """Tell the broker that ``budget`` is in force from the next decode
+        on (it may be holding a new job until we step down:
+        ``workers.broker.step_down``), once per budget."""
         if budget is not None and budget.seq != self._confirmed_budget:
             self._confirmed_budget = budget.seq
             self._send(messages.ThreadsSet(budget.n_threads))
-        return budget
 
     def in_force_at_once(self, n_threads: int) -> bool:
         """Called by the link thread once it has stored a new budget of
