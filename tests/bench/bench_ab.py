@@ -5,6 +5,7 @@ does a change make the pool faster?
     make bench-ab BENCH_ARGS="--before /tmp/before"
     # or: python -m tests.bench.bench_ab --before /tmp/before
     # tracing on against off, one checkout: --ttft --traced --before .
+    # a setting of the environment, one checkout: --before . --env GOMP_SPINCOUNT=20000
 
 Both pools (``llamapool up --workers 2 --threads 1``, or ``--threads auto``;
 the default model) are up at once, with llama-server ``-np 2 -t 2`` beside
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 rounds of 3 s, 16 tokens")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set this in the environment of this checkout's "
+                             "pool only (repeatable); with --before . it weighs "
+                             "a setting such as GOMP_SPINCOUNT on one commit")
     parser.add_argument("--ttft", action="store_true",
                         help="compare the time to first token, one request at a time")
     parser.add_argument("--requests", type=int, default=400,
@@ -59,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --ttft: this checkout's pool exports every "
                              "request's trace to an OTLP/HTTP sink here")
     args = parser.parse_args(argv)
+    try:
+        extra_env = dict(item.split("=", 1) for item in args.env)
+    except ValueError:
+        parser.error("--env takes NAME=VALUE")
+    if args.ttft and extra_env:
+        parser.error("--env applies to the throughput rounds, not to --ttft")
     if args.quick:
         args.rounds, args.duration, args.tokens, args.requests = 2, 3.0, 16, 20
     model = harness.model_path(args.model)
@@ -66,13 +77,15 @@ def main(argv: list[str] | None = None) -> int:
         return compare_ttft(model, args.before, args.requests, args.tokens or 1,
                             traced=args.traced)
     args.tokens = args.tokens or 64
-    this = f"this checkout ({harness.checkout_commit('.')})"
+    settings = "".join(f", {item}" for item in args.env)
+    this = f"this checkout ({harness.checkout_commit('.')}{settings})"
     other = f"--before ({harness.checkout_commit(args.before)})"
+    this_env = {**os.environ, **extra_env} if extra_env else None
     starts = {
         # Both through ``checkout``, so that both import their code the same
         # way (working directory and PYTHONPATH).
         this: lambda: harness.llamapool_up(model, workers=2, threads=args.threads,
-                                           checkout=os.getcwd()),
+                                           checkout=os.getcwd(), env=this_env),
         other: lambda: harness.llamapool_up(model, workers=2, threads=args.threads,
                                             checkout=args.before),
     }
@@ -107,10 +120,24 @@ def main(argv: list[str] | None = None) -> int:
             *(1000 * percentile(ttfts[name], q) for q in (50, 90, 99))]
            for name in starts),
          ["ratio, this / before", statistics.median(ratios), statistics.mean(ratios),
-          " ".join(f"{v:.3f}" for v in ratios), "", "", ""]]))
+          " ".join(f"{v:.3f}" for v in ratios), "", "", ""],
+         *([f"ratio, {name} / llama-server", statistics.median(to_server),
+            statistics.mean(to_server), " ".join(f"{v:.3f}" for v in to_server),
+            "", "", ""]
+           for name, to_server in _same_round_ratios(rates, LLAMA_SERVER).items())]))
     below = sum(1 for v in ratios if v < 1)
     print(f"\n{below} of {len(ratios)} rounds below 1.")
     return 0
+
+
+def _same_round_ratios(rates: dict[str, list[float]],
+                       base: str) -> dict[str, list[float]]:
+    """Each other target's tokens/s over ``base``'s, round by round (none
+    when ``base`` did not run)."""
+    if base not in rates:
+        return {}
+    return {name: [a / b for a, b in zip(values, rates[base])]
+            for name, values in rates.items() if name != base}
 
 
 def compare_ttft(model: str, before: str, requests: int, tokens: int,
