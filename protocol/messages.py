@@ -78,8 +78,10 @@ from protocol.records import (
 #: broker of 06 would give the job any model's slot, the wrong-model answers
 #: of issue 30), force_call and its history's tool_calls (a worker of 06
 #: would not force the call, or drop earlier calls), and SUBMIT's key_policy
-#: (a broker of 06 would enforce no key's limits), all without an error).
-PROTOCOL_HEADER = b"LLAMAPOOL08"
+#: (a broker of 06 would enforce no key's limits), all without an error);
+#: 09: THREADS' and THREADS_SET's seq (a broker of 08 would take a late
+#: THREADS_SET as the answer to a newer THREADS).
+PROTOCOL_HEADER = b"LLAMAPOOL09"
 
 #: Largest body any command accepts (a STATUS reply); each command has its
 #: own, smaller or equal, ceiling (``Message.LIMITS``).
@@ -97,6 +99,8 @@ _KEY = Text(limits.MAX_KEY_LABEL_CHARS)
 _THREADS = Count(1, limits.MAX_THREADS)
 _CAPABILITY = Text(32)
 _POOL_CORES = Count(0, limits.MAX_THREADS)
+#: THREADS' sequence number, per worker, counted by the broker that sends it.
+_THREADS_SEQ = Count(0, 2**63 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,9 +213,11 @@ class Heartbeat(Message):
 class Threads(Message):
     """Broker -> ``--threads auto`` worker: use ``n_threads`` llama.cpp threads
     from the next decode on (its share of its host's pool cores among the
-    busy workers there; ``workers.broker.thread_budget``)."""
+    busy workers there; ``workers.broker.thread_budget``). ``seq`` counts
+    the THREADS this broker sent the worker; THREADS_SET echoes it."""
 
     n_threads: Annotated[int, _THREADS]
+    seq: Annotated[int, _THREADS_SEQ] = 0
 
 
 @_register(0x07)
@@ -220,9 +226,11 @@ class ThreadsSet(Message):
     no more than ``n_threads`` threads (the answer to THREADS, sent once in
     force: at once if it already decodes with no more). The
     broker holds a new job's SUBMIT until the running workers on its host
-    have stepped down (``workers.broker.step_down``)."""
+    have stepped down (``workers.broker.step_down``). ``seq``: the THREADS
+    this answers, so that a late answer to an older one releases nothing."""
 
     n_threads: Annotated[int, _THREADS]
+    seq: Annotated[int, _THREADS_SEQ] = 0
 
 
 @_register(0x04)

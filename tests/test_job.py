@@ -213,4 +213,4 @@ def test_error_frames_carry_no_status_on_the_wire():
     assert messages.decode(msg.to_wire()) == msg
     assert list(messages.Error.FIELD_TYPES) == ["job_id", "code", "message",
                                                 "n_prompt_tokens", "n_ctx"]
-    assert messages.PROTOCOL_HEADER == b"LLAMAPOOL08"
+    assert messages.PROTOCOL_HEADER == b"LLAMAPOOL09"

@@ -67,6 +67,13 @@ def test_threads_out_of_range_is_malformed():
     from protocol.records import MalformedMessage
 
     assert messages.decode(messages.Threads(2).to_wire()) == messages.Threads(2)
+    assert messages.decode(messages.Threads(2, 9).to_wire()) == messages.Threads(2, 9)
+    assert messages.decode(messages.ThreadsSet(1, 9).to_wire()) == messages.ThreadsSet(1, 9)
+    for bad_seq in (-1, "3", 1.5, 2**63):
+        for command in (messages.Threads.COMMAND, messages.ThreadsSet.COMMAND):
+            frames = [messages.PROTOCOL_HEADER, command, msgpack.packb([1, bad_seq])]
+            with pytest.raises(MalformedMessage):
+                messages.decode(frames)
     for bad in (0, -1, limits.MAX_THREADS + 1, "2", 1.5):
         frames = [messages.PROTOCOL_HEADER, messages.Threads.COMMAND,
                   msgpack.packb([bad])]

@@ -405,7 +405,7 @@ class Broker:
             self.ledger.job_heard(slot.job_id)
 
     def _on_threads_set(self, slot, msg: messages.ThreadsSet, raw, now) -> None:
-        self.step_down.stepped_down(slot.identity, msg.n_threads)
+        self.step_down.stepped_down(slot.identity, msg.n_threads, msg.seq)
 
     def _on_worker_goodbye(self, slot, msg: messages.Disconnect, raw, now) -> None:
         # The worker is shutting down: no new jobs. Its current job (if any)

@@ -79,6 +79,9 @@ class WorkerSlot:
     #: The thread count last sent in THREADS (``--threads auto`` workers);
     #: None: nothing sent yet.
     threads_told: int | None = None
+    #: How many THREADS it was sent: each one's ``seq``, which its
+    #: THREADS_SET echoes.
+    threads_seq: int = 0
     #: Whether its cache claims steer routing, from how its past claims
     #: fared (``workers.broker.cache_claims``).
     claims: ClaimTrust = dataclasses.field(default_factory=ClaimTrust)

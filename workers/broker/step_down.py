@@ -26,7 +26,7 @@ a held job's slot is never offered twice, and the 503 rule is untouched.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from protocol import messages
 from workers.broker.thread_budget import budgets
@@ -35,14 +35,21 @@ if TYPE_CHECKING:
     from workers.broker.broker import Broker
 
 
+class Told(NamedTuple):
+    """The THREADS a worker was sent: its count and sequence number."""
+
+    n_threads: int
+    seq: int
+
+
 @dataclasses.dataclass
 class HeldSubmit:
     job_id: str
     #: The worker the job was assigned to, and the SUBMIT's frames for it.
     worker: bytes
     frames: list[bytes]
-    #: Workers still to step down, with the thread count each was told.
-    waiting_on: dict[bytes, int]
+    #: Workers still to step down, with the THREADS each was told.
+    waiting_on: dict[bytes, Told]
     deadline: float
 
 
@@ -61,13 +68,16 @@ class HeldSubmits:
         return job_id in self._held
 
     def hold(self, job_id: str, worker: bytes, frames: list[bytes],
-             waiting_on: dict[bytes, int], deadline: float) -> None:
+             waiting_on: dict[bytes, Told], deadline: float) -> None:
         self._held[job_id] = HeldSubmit(job_id, worker, frames,
                                         dict(waiting_on), deadline)
 
-    def stepped_down(self, worker: bytes, n_threads: int) -> list[HeldSubmit]:
-        """``worker`` now decodes with ``n_threads``."""
-        return self._settle(lambda told: n_threads <= told, worker)
+    def stepped_down(self, worker: bytes, n_threads: int, seq: int) -> list[HeldSubmit]:
+        """``worker`` now decodes with no more than ``n_threads``, the answer
+        to its THREADS number ``seq``. An answer to an older THREADS than
+        the one a hold waits for says nothing about that one."""
+        return self._settle(
+            lambda told: seq >= told.seq and n_threads <= told.n_threads, worker)
 
     def worker_idle(self, worker: bytes) -> list[HeldSubmit]:
         """``worker``'s job ended or the worker is gone: it decodes nothing."""
@@ -139,8 +149,8 @@ class ThreadStepDown:
         self._broker.counters.step_down_waits_expired += len(held)
         self._send(held)
 
-    def stepped_down(self, worker: bytes, n_threads: int) -> None:
-        self._send(self._held.stepped_down(worker, n_threads))
+    def stepped_down(self, worker: bytes, n_threads: int, seq: int) -> None:
+        self._send(self._held.stepped_down(worker, n_threads, seq))
 
     def release(self, job_id: str) -> None:
         """Send a held SUBMIT now: its job is cancelled, and the worker must
@@ -158,21 +168,22 @@ class ThreadStepDown:
         # Also catches busy workers that died or left since the last change.
         self.retune()
 
-    def retune(self) -> dict[bytes, int]:
+    def retune(self) -> dict[bytes, Told]:
         """Send THREADS to each busy ``--threads auto`` worker whose share
         changed. Returns the workers told to use fewer threads than before,
-        with the count each was told."""
+        with the THREADS each was told."""
         b = self._broker
-        stepping_down: dict[bytes, int] = {}
+        stepping_down: dict[bytes, Told] = {}
         for ident, n_threads in budgets(b.ledger.workers.values()).items():
             slot = b.ledger.workers[ident]
             # Never told: the worker loaded with all its host's pool cores.
             current = slot.threads_told or slot.info.pool_cores
             if current != n_threads:
                 slot.threads_told = n_threads
-                b.to_worker(ident, messages.Threads(n_threads))
+                slot.threads_seq += 1
+                b.to_worker(ident, messages.Threads(n_threads, slot.threads_seq))
                 if n_threads < current:
-                    stepping_down[ident] = n_threads
+                    stepping_down[ident] = Told(n_threads, slot.threads_seq)
         return stepping_down
 
     def _send(self, held: list[HeldSubmit | None]) -> None:

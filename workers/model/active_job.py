@@ -28,11 +28,13 @@ log = logging.getLogger("llamapool.worker")
 class ThreadBudget:
     """``--threads auto``: the thread count the broker last gave this worker
     (THREADS), when it arrived, and its sequence number (each budget is
-    confirmed to the broker once, with THREADS_SET)."""
+    confirmed to the broker once, with THREADS_SET). ``broker_seq``: the
+    THREADS' own sequence number, which THREADS_SET echoes."""
 
     n_threads: int
     told_at: float = 0.0
     seq: int = 0
+    broker_seq: int = 0
 
 
 class ActiveJob:
@@ -186,7 +188,7 @@ class ActiveJob:
         ``workers.broker.step_down``), once per budget."""
         if budget is not None and budget.seq != self._confirmed_budget:
             self._confirmed_budget = budget.seq
-            self._send(messages.ThreadsSet(budget.n_threads))
+            self._send(messages.ThreadsSet(budget.n_threads, budget.broker_seq))
 
     def in_force_at_once(self, n_threads: int) -> bool:
         """Called by the link thread once it has stored a new budget of

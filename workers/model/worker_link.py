@@ -372,16 +372,14 @@ class WorkerLink(LinkHandler):
                         "worker; kept %s", msg.n_threads, self.settings.n_threads)
             return
         self._thread_budget = ThreadBudget(
-            msg.n_threads, time.monotonic(), self._thread_budget.seq + 1)
+            msg.n_threads, time.monotonic(), self._thread_budget.seq + 1, msg.seq)
         job = self._job
         if job is None or job.in_force_at_once(msg.n_threads):
             # Not decoding, paused, or decoding with no more threads than
             # this: ``ActiveJob.in_force_at_once``. The decode loop may
-            # confirm it again when it takes it. THREADS_SET names no budget,
-            # so a late one, this or any other, can release a hold that a
-            # newer THREADS made one token early: one oversubscribed token at
-            # worst, as before.
-            self.connection.send(messages.ThreadsSet(msg.n_threads))
+            # confirm it again when it takes it; the broker counts only an
+            # answer to its latest THREADS (``seq``).
+            self.connection.send(messages.ThreadsSet(msg.n_threads, msg.seq))
 
     def on_lost(self, silent_s: float) -> None:
         self._registration.forget()
