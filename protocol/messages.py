@@ -99,8 +99,6 @@ _KEY = Text(limits.MAX_KEY_LABEL_CHARS)
 _THREADS = Count(1, limits.MAX_THREADS)
 _CAPABILITY = Text(32)
 _POOL_CORES = Count(0, limits.MAX_THREADS)
-#: THREADS' sequence number, per worker, counted by the broker that sends it.
-_THREADS_SEQ = Count(0, 2**63 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +215,7 @@ class Threads(Message):
     the THREADS this broker sent the worker; THREADS_SET echoes it."""
 
     n_threads: Annotated[int, _THREADS]
-    seq: Annotated[int, _THREADS_SEQ] = 0
+    seq: Annotated[int, COUNT]
 
 
 @_register(0x07)
@@ -230,7 +228,7 @@ class ThreadsSet(Message):
     this answers, so that a late answer to an older one releases nothing."""
 
     n_threads: Annotated[int, _THREADS]
-    seq: Annotated[int, _THREADS_SEQ] = 0
+    seq: Annotated[int, COUNT]
 
 
 @_register(0x04)

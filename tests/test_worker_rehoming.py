@@ -127,7 +127,7 @@ def test_what_the_main_thread_sends_goes_out_by_kind_never_dropped_unsaid():
                   settings=worker.settings)
     assert worker.forward(Outgoing(a, messages.Token("a", "t", 1)))
     assert not worker.forward(Outgoing(b, messages.Token("b", "t", 1)))  # not ours
-    assert worker.forward(Outgoing(a, messages.ThreadsSet(1)))
+    assert worker.forward(Outgoing(a, messages.ThreadsSet(1, 1)))
     assert worker.forward(Outgoing(a, messages.Final(
         "a", "stop", Usage(1, 1, 2), Timings(1, 1.0, 1, 1.0))))
     assert not worker.forward(Outgoing(a, messages.Token("a", "late", 1)))  # ended
