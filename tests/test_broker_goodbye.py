@@ -47,9 +47,13 @@ def test_a_goodbye_queued_behind_a_closed_connection_is_not_a_death(tmp_path):
         assert closed.poll(DEADLINE_S * 1000), "the broker never saw the close"
         assert recv_monitor_message(closed)["event"] == zmq.EVENT_DISCONNECTED
 
-        # Any operation on the broker's socket (its poll, its EVENTS check
-        # between receives) takes note of the closed pipe; the goodbye is
-        # still unread behind it.
+        # The monitor's event comes from ZeroMQ's I/O thread; the broker's
+        # socket takes note of the closed pipe a moment later, when it next
+        # processes commands. Wait until it refuses to route to the worker,
+        # as the heartbeat pass will find it; the goodbye is still unread.
+        (ident,) = broker.ledger.workers
+        wait_until(lambda: not broker.to_worker(ident, messages.Heartbeat()),
+                   DEADLINE_S, "the broker's socket to drop the closed pipe")
         assert broker.sockets.workers.get(zmq.EVENTS) & zmq.POLLIN
         broker._heartbeat_and_expire(time.monotonic())
 
