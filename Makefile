@@ -52,7 +52,7 @@ soak: $(STAMP_TEST)
 	bench-thread-stepdown llama-server bench-cpu-per-token \
 	bench-llama-details bench-embeddings bench-conversations bench-prompt-state \
 	bench-ttft-hops bench-rounds bench-ab bench-handoff bench-native-bias \
-	bench-repack bench-overload bench-shapes bench-direct-frames
+	bench-repack bench-overload bench-shapes bench-direct-frames bench-merged-frames
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -90,6 +90,11 @@ bench-shapes: llama-server
 # (tests/bench/floor_pool.py --direct), beside llama-server and the pool.
 bench-direct-frames: llama-server
 	$(PY) -m tests.bench.bench_direct_frames $(BENCH_ARGS)
+
+# A frontend behind its workers: waiting frames merged into one event
+# against one event per frame (synthetic workers, no model).
+bench-merged-frames: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_merged_frames $(BENCH_ARGS)
 
 # This checkout against another, in interleaved rounds at concurrency 2:
 # make bench-ab BENCH_ARGS="--before /path/to/other/checkout"

@@ -265,6 +265,7 @@ class JobEndpoint(abc.ABC, Generic[Parsed]):
             submit_timeout_s=s.submit_timeout_s,
             frame_timeout_s=s.frame_timeout_s,
             credit_batch_frames=s.credit_batch_frames,
+            merge_frames_max=s.merge_waiting_frames,
             new_outcome=record.expect_job,
             on_release=record.lease_released,
             id_slot=submission.id_slot,

@@ -46,6 +46,7 @@ def start_job_steps(
     submit_timeout_s: float,
     frame_timeout_s: float,
     credit_batch_frames: int,
+    merge_frames_max: int,
     new_outcome: Callable[[], JobOutcome] = JobOutcome,
     on_release: Callable[[SlotLease], None] | None = None,
     id_slot: int = -1,
@@ -81,7 +82,8 @@ def start_job_steps(
         return (yield from _submit_steps(
             link, generation, submit_timeout_s=submit_timeout_s,
             frame_timeout_s=frame_timeout_s,
-            credit_batch_frames=credit_batch_frames, outcome=new_outcome(),
+            credit_batch_frames=credit_batch_frames,
+            merge_frames_max=merge_frames_max, outcome=new_outcome(),
             on_release=on_release, id_slot=id_slot, origin=origin,
             client_gone=client_gone))
 
@@ -111,6 +113,7 @@ def _submit_steps(
     submit_timeout_s: float,
     frame_timeout_s: float,
     credit_batch_frames: int,
+    merge_frames_max: int,
     outcome: JobOutcome,
     on_release: Callable[[SlotLease], None] | None,
     id_slot: int,
@@ -131,7 +134,8 @@ def _submit_steps(
             origin = trace.origin(origin, lease.job_id)
         stream = link.submit(lease.job_id, generation, blocks, id_slot, origin)
         job = Job(lease, stream, send=link.send, frame_timeout_s=frame_timeout_s,
-                  credit_batch_frames=credit_batch_frames, outcome=outcome)
+                  credit_batch_frames=credit_batch_frames,
+                  merge_frames_max=merge_frames_max, outcome=outcome)
         answer = yield from job.answer_steps(submit_timeout_s, client_gone)
         if trace is not None:
             trace.answered(answer, stream, job.queued)

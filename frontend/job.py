@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from frontend.errors import ClientGone
+from frontend.frame_merge import merged
 from frontend.interfaces import FrameStream
 from frontend.lease import LeaseEnding, SlotLease
 from protocol import messages
@@ -89,6 +90,9 @@ class Job:
         send: the broker link's ``send`` (for CREDIT).
         frame_timeout_s: longest silence before the job is given up.
         credit_batch_frames: consumed frames per CREDIT message.
+        merge_frames_max: the most TOKEN frames, already waiting, that one
+            ``next_frame`` hands out as one (``frontend.frame_merge``); 1
+            hands out each as it came.
         outcome: filled in as frames arrive.
     """
 
@@ -100,6 +104,7 @@ class Job:
         send: Callable[[messages.Message], None],
         frame_timeout_s: float,
         credit_batch_frames: int,
+        merge_frames_max: int,
         outcome: JobOutcome,
     ) -> None:
         self.lease = lease
@@ -115,7 +120,11 @@ class Job:
         self._send = send
         self._frame_timeout_s = frame_timeout_s
         self._credit_batch = max(1, credit_batch_frames)
+        self._merge_max = max(1, merge_frames_max)
         self._pending: JobFrame | None = None
+        #: A frame ``_merge_waiting`` took off the stream and did not merge:
+        #: the next one ``_receive`` reads.
+        self._held_back: messages.Message | None = None
         self._handed_out = 0
         self._credited = 0
         self._terminal_seen = False
@@ -206,6 +215,7 @@ class Job:
             msg = self._receive()
         if isinstance(msg, messages.Token):
             self._handed_out += 1
+            msg = self._merge_waiting(msg)
         return msg
 
     def end(self, ending: LeaseEnding) -> bool:
@@ -217,6 +227,30 @@ class Job:
 
     # --- internals -------------------------------------------------------------------
 
+    def _merge_waiting(self, msg: messages.Token) -> messages.Token:
+        """``msg`` with the TOKEN frames that already wait behind it: a
+        client that is behind gets its backlog as one event. The first
+        frame that does not merge (a terminal one, an embedding's) is held
+        back for the next call, unread until then, so that the job ends
+        only once the text before its end was handed out."""
+        n_frames = 1
+        while n_frames < self._merge_max and self._held_back is None:
+            waiting = self._stream.get(0.0)
+            if waiting is None:
+                break
+            if isinstance(waiting, messages.Token):
+                both = merged(msg, waiting)
+                if both is not None:
+                    self.outcome.saw_token()
+                    self._handed_out += 1
+                    msg, n_frames = both, n_frames + 1
+                    continue
+            if isinstance(waiting, (messages.Token, *messages.TERMINAL)):
+                self._held_back = waiting
+                break
+            # Anything else is not ours (as in ``_receive``).
+        return msg
+
     def _return_credit(self) -> None:
         # Everything handed out before this call has been consumed.
         owed = self._handed_out - self._credited
@@ -226,7 +260,9 @@ class Job:
 
     def _receive(self) -> JobFrame:
         while True:
-            msg = self._stream.get(self._frame_timeout_s)
+            msg, self._held_back = self._held_back, None
+            if msg is None:
+                msg = self._stream.get(self._frame_timeout_s)
             if msg is None:
                 msg = messages.Error(self.job_id, ErrorCode.TIMEOUT, TIMEOUT_MESSAGE)
                 self._terminal_seen = True

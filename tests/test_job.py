@@ -26,10 +26,14 @@ from frontend.generation import collect
 from frontend.job import Job, JobOutcome
 from frontend.lease import LeaseEnding, SlotLease
 from frontend.openai_format import ResponseShaper
+from frontend.settings import FrontendSettings
 from frontend.sse import EventStreamBody
 from protocol import messages
 from protocol.errors import ErrorCode
-from protocol.payloads import Timings, Usage
+from protocol.payloads import Timings, TokenLogprob, Usage
+
+#: The frontend's default (``merge_waiting_frames``).
+MERGE_FRAMES_MAX = FrontendSettings.merge_waiting_frames
 
 #: usage and timings of a FINAL that says nothing was used.
 NOTHING_USED = (Usage(0, 0, 0), Timings(0, 0.0, 0, 0.0))
@@ -57,12 +61,14 @@ class Link:
 
 
 def started_job(link: Link, *frames: messages.Message,
-                frame_timeout_s: float = 1.0) -> Job:
+                frame_timeout_s: float = 1.0,
+                merge_frames_max: int = MERGE_FRAMES_MAX) -> Job:
     """A job past setup: ACCEPTED read, first frame waiting, ``frames`` queued."""
     stream = JobStream("j")
     lease = SlotLease("j", link.send, link.forget, link.on_release)
     job = Job(lease, stream, send=link.send, frame_timeout_s=frame_timeout_s,
-              credit_batch_frames=2, outcome=JobOutcome())
+              credit_batch_frames=2, merge_frames_max=merge_frames_max,
+              outcome=JobOutcome())
     stream.put(messages.Accepted("j", 3, "m"))
     for frame in frames:
         stream.put(frame)
@@ -155,7 +161,8 @@ def test_refusal_and_answer_error_send_no_cancel():
         stream = JobStream("j")
         lease = SlotLease("j", link.send, link.forget, link.on_release)
         job = Job(lease, stream, send=link.send, frame_timeout_s=1,
-                  credit_batch_frames=2, outcome=JobOutcome())
+                  credit_batch_frames=2, merge_frames_max=MERGE_FRAMES_MAX,
+                  outcome=JobOutcome())
         stream.put(answer)
         assert job.answer(1.0) == answer
         assert (link.endings, link.cancels) == ([ending], [])
@@ -169,6 +176,57 @@ def test_lease_endings_know_which_side_ended_the_job():
         "eof", "error", "refused", "disconnect", "gc", "setup_failed"}
     with pytest.raises(TypeError):
         SlotLease("j", Link().send, Link().forget).release("error")
+
+
+# --- frames waiting for a client that is behind -----------------------------------
+
+
+def token(text: str, ids: list[int], with_logprobs: bool = True) -> messages.Token:
+    """A TOKEN frame of ``ids`` (one log-probability entry each, if asked)."""
+    return messages.Token(
+        "j", text, n_tokens=len(ids), token_ids=messages.pack_token_ids(ids),
+        logprobs=[TokenLogprob(i, b"x", -1.0) for i in ids] if with_logprobs else [])
+
+
+def test_frames_waiting_behind_a_token_go_out_as_one():
+    link = Link()
+    final = messages.Final("j", "length", *NOTHING_USED)
+    job = started_job(link, token("a", [1]), token("b", [2, 3]), token("c", [4]),
+                      final)
+    first = job.next_frame()
+    assert (first.text, first.n_tokens) == ("abc", 4)
+    assert messages.unpack_token_ids(first.token_ids) == [1, 2, 3, 4]
+    assert [e.id for e in first.logprobs] == [1, 2, 3, 4]
+    # The terminal frame waits for the next call: the job has not ended
+    # before the text ahead of its end was handed out.
+    assert not job.lease.released
+    assert job.next_frame() == final
+    assert link.endings == [LeaseEnding.EOF]
+    # Credit counts frames, not events.
+    link2 = Link()
+    job2 = started_job(link2, *(token("t", [i]) for i in range(5)),
+                       frame_timeout_s=0.05)
+    assert job2.next_frame().n_tokens == 5
+    with pytest.raises(UpstreamError):  # then the frame timeout: a 504
+        collect(job2)
+    assert sum(m.frames for m in link2.sent if isinstance(m, messages.Credit)) == 5
+
+
+def test_at_most_merge_frames_max_go_out_as_one():
+    frames = [token(str(i), [i]) for i in range(5)]
+    job = started_job(Link(), *frames, messages.Final("j", "stop", *NOTHING_USED),
+                      merge_frames_max=2)
+    assert [job.next_frame().text for _ in range(3)] == ["01", "23", "4"]
+    single = started_job(Link(), *frames, merge_frames_max=1)
+    assert [single.next_frame().text for _ in range(5)] == ["0", "1", "2", "3", "4"]
+
+
+def test_frames_that_do_not_match_or_carry_a_vector_stay_apart():
+    vector = messages.Token("j", "", embedding=b"\0" * 16)
+    job = started_job(Link(), token("a", [1]), token("b", [2], with_logprobs=False),
+                      vector, vector)
+    assert [job.next_frame().text for _ in range(2)] == ["a", "b"]
+    assert [job.next_frame().embedding for _ in range(2)] == [b"\0" * 16] * 2
 
 
 # --- one error table ---------------------------------------------------------------

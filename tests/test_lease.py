@@ -24,12 +24,16 @@ from frontend.broker_link import JobStream
 from frontend.job import Job, JobOutcome
 from frontend.lease import LeaseEnding, SlotLease
 from frontend.openai_format import ResponseShaper
+from frontend.settings import FrontendSettings
 from frontend.sse import EventStreamBody
 from protocol import messages
 from protocol.payloads import Timings, Usage
 
 #: usage and timings of a FINAL that says nothing was used.
 NOTHING_USED = (Usage(0, 0, 0), Timings(0, 0.0, 0, 0.0))
+
+#: The frontend's default: TOKEN frames already queued go out as one event.
+MERGE_FRAMES_MAX = FrontendSettings.merge_waiting_frames
 
 
 class Recorder:
@@ -61,7 +65,7 @@ class LeaseMachine(RuleBasedStateMachine):
                                self.rec.on_release)
         self.job = Job(self.lease, self.stream, send=self.rec.send,
                        frame_timeout_s=0.001, credit_batch_frames=2,
-                       outcome=JobOutcome())
+                       merge_frames_max=MERGE_FRAMES_MAX, outcome=JobOutcome())
         self.stream.put(messages.Token("job", "first"))
         self.job.first_frame()
         self.body = EventStreamBody(self.job, ResponseShaper("completion", "r", "m"))
@@ -71,6 +75,7 @@ class LeaseMachine(RuleBasedStateMachine):
         # The model: frames the body has yet to read (the first is pending),
         # whether the body still reads, and what ended the job, in order.
         self.unread = ["token"]
+        self.merged_into_event = 0
         self.body_reads = True
         self.endings: list[str] = []
 
@@ -105,6 +110,12 @@ class LeaseMachine(RuleBasedStateMachine):
             elif self.unread.pop(0) == "terminal":
                 self.endings.append("terminal frame from the broker")
             else:
+                # The tokens queued behind it go out in the same event.
+                while (self.unread[:1] == ["token"]
+                       and self.merged_into_event < MERGE_FRAMES_MAX - 1):
+                    self.unread.pop(0)
+                    self.merged_into_event += 1
+                self.merged_into_event = 0
                 self.body_reads = True
         try:
             event = next(self.body)
@@ -203,7 +214,7 @@ def test_credit_is_returned_as_events_are_consumed():
     stream = JobStream("j")
     lease = SlotLease("j", rec.send, rec.forget)
     job = Job(lease, stream, send=rec.send, frame_timeout_s=1, credit_batch_frames=2,
-              outcome=JobOutcome())
+              merge_frames_max=MERGE_FRAMES_MAX, outcome=JobOutcome())
     stream.put(messages.Token("j", "a"))
     job.first_frame()
     body = EventStreamBody(job, ResponseShaper("chat", "r", "m"))
