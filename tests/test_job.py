@@ -22,6 +22,7 @@ from frontend.errors import (
     UpstreamError,
     http_form,
 )
+from frontend.frame_merge import MERGED_TEXT_MAX_CHARS
 from frontend.generation import collect
 from frontend.job import Job, JobOutcome
 from frontend.lease import LeaseEnding, SlotLease
@@ -227,6 +228,13 @@ def test_frames_that_do_not_match_or_carry_a_vector_stay_apart():
                       vector, vector)
     assert [job.next_frame().text for _ in range(2)] == ["a", "b"]
     assert [job.next_frame().embedding for _ in range(2)] == [b"\0" * 16] * 2
+
+
+def test_a_merged_event_stays_bounded():
+    half = "x" * (MERGED_TEXT_MAX_CHARS // 2)
+    job = started_job(Link(), *(token(half, [i]) for i in range(3)))
+    assert [len(job.next_frame().text) for _ in range(2)] == [
+        MERGED_TEXT_MAX_CHARS, MERGED_TEXT_MAX_CHARS // 2]
 
 
 # --- one error table ---------------------------------------------------------------
