@@ -234,7 +234,7 @@ class Job:
         back for the next call, unread until then, so that the job ends
         only once the text before its end was handed out."""
         n_frames = 1
-        while n_frames < self._merge_max and self._held_back is None:
+        while n_frames < self._merge_max:
             waiting = self._stream.get(0.0)
             if waiting is None:
                 break
