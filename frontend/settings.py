@@ -20,7 +20,7 @@ Every default is documented in this one place.
 | LLAMAPOOL_MODEL_NAME           | (from workers) | name when no worker is known      |
 | LLAMAPOOL_DEFAULT_MODEL        | (the only one) | model of requests naming none     |
 | LLAMAPOOL_CREDIT_BATCH_FRAMES  | 64             | frames read per credit return     |
-| LLAMAPOOL_MERGE_WAITING_FRAMES | 64             | waiting frames sent as one event  |
+| LLAMAPOOL_MERGE_WAITING_FRAMES | 1              | waiting frames sent as one event  |
 | LLAMAPOOL_TOKENIZER_MODEL      | (none)         | GGUF to count prompt tokens       |
 | LLAMAPOOL_MODELS_FILE          | (none)         | GGUFs to count, one per model     |
 | LLAMAPOOL_CHAT_FORMAT          | (template)     | same as the workers' format       |
@@ -133,14 +133,18 @@ class FrontendSettings:
         timing.CREDIT_WINDOW_FRAMES // 4, "LLAMAPOOL_CREDIT_BATCH_FRAMES",
         "frames read per credit return")
     #: TOKEN frames already waiting for a client that is behind, sent as
-    #: one event (``frontend.frame_merge``); 1: one event per frame.
+    #: one event (``frontend.frame_merge``); 1, the default: one event per
+    #: frame. Off by default because merged events are denser: a client
+    #: that stops reading then takes many more tokens into the socket
+    #: buffers before its worker pauses for credit, often the whole answer.
     merge_waiting_frames: int = setting(
-        64, "LLAMAPOOL_MERGE_WAITING_FRAMES", "waiting frames sent as one event",
+        1, "LLAMAPOOL_MERGE_WAITING_FRAMES", "waiting frames sent as one event",
         flag="--merge-waiting-frames", parse=positive_int,
         help="a stream whose client is behind gets up to N of the token "
-             "frames waiting for it as one event (fewer writes, so a busy "
-             "frontend catches up); a client that keeps up gets each token "
-             "as it comes. 1: one event per frame, always")
+             "frames waiting for it as one event (a client on a slow link "
+             "catches up; one that stops reading takes far more tokens "
+             "before its worker pauses); a client that keeps up gets each "
+             "token as it comes. 1 (default): one event per frame")
     tokenizer_model: str = setting(
         "", "LLAMAPOOL_TOKENIZER_MODEL", "GGUF to count prompt tokens",
         flag="--model",

@@ -27,14 +27,13 @@ from frontend.generation import collect
 from frontend.job import Job, JobOutcome
 from frontend.lease import LeaseEnding, SlotLease
 from frontend.openai_format import ResponseShaper
-from frontend.settings import FrontendSettings
 from frontend.sse import EventStreamBody
 from protocol import messages
 from protocol.errors import ErrorCode
 from protocol.payloads import Timings, TokenLogprob, Usage
 
-#: The frontend's default (``merge_waiting_frames``).
-MERGE_FRAMES_MAX = FrontendSettings.merge_waiting_frames
+#: ``--merge-waiting-frames`` as operations.md suggests it for slow links.
+MERGE_FRAMES_MAX = 64
 
 #: usage and timings of a FINAL that says nothing was used.
 NOTHING_USED = (Usage(0, 0, 0), Timings(0, 0.0, 0, 0.0))

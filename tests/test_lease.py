@@ -24,7 +24,6 @@ from frontend.broker_link import JobStream
 from frontend.job import Job, JobOutcome
 from frontend.lease import LeaseEnding, SlotLease
 from frontend.openai_format import ResponseShaper
-from frontend.settings import FrontendSettings
 from frontend.sse import EventStreamBody
 from protocol import messages
 from protocol.payloads import Timings, Usage
@@ -32,8 +31,9 @@ from protocol.payloads import Timings, Usage
 #: usage and timings of a FINAL that says nothing was used.
 NOTHING_USED = (Usage(0, 0, 0), Timings(0, 0.0, 0, 0.0))
 
-#: The frontend's default: TOKEN frames already queued go out as one event.
-MERGE_FRAMES_MAX = FrontendSettings.merge_waiting_frames
+#: ``--merge-waiting-frames`` as operations.md suggests it for slow links:
+#: TOKEN frames already queued go out as one event.
+MERGE_FRAMES_MAX = 64
 
 
 class Recorder:

@@ -1,6 +1,6 @@
 """A stream whose client is behind gets the frames waiting for it as one
-event (``frontend.frame_merge``), through real processes: gunicorn, the
-broker and a worker on the test model.
+event (``frontend.frame_merge``, ``--merge-waiting-frames``), through real
+processes: gunicorn, the broker and a worker on the test model.
 
 The client stops reading until its worker pauses for credit, so a backlog
 of frames waits at the frontend; then it reads to the end. llama.cpp's
@@ -15,14 +15,20 @@ import json
 import httpx
 import pytest
 
+from tests.pool_factory import pool_fixture
 from tests.test_slot_paths import RawStream, wait_paused
 
 pytestmark = pytest.mark.stack
 
-#: Long enough that the worker pauses for credit before it is done: the
-#: client's small receive window and the frontend's send buffer hold a few
-#: hundred events, the credit window 256 frames more.
-N_PREDICT = 1500
+MERGE_FRAMES_MAX = 64
+merging_pool = pool_fixture(workers=1, frontend_env={
+    "LLAMAPOOL_MERGE_WAITING_FRAMES": str(MERGE_FRAMES_MAX)})
+
+#: Long enough that the worker pauses for credit before it is done: with
+#: ``n_probs`` a token costs some 180 bytes even merged, so the frontend's
+#: send buffer and the client's small window hold under a thousand, the
+#: credit window 256 frames more (the context is 2048).
+N_PREDICT = 1900
 PROMPT = "Once upon a time"
 
 
@@ -33,19 +39,20 @@ def data_events(raw: bytes) -> list[dict]:
             if line.startswith(b"data: ")]
 
 
-def test_a_client_that_falls_behind_gets_its_backlog_in_fewer_events(whole_pool):
+def test_a_client_that_falls_behind_gets_its_backlog_in_fewer_events(merging_pool):
     body = {"prompt": PROMPT, "n_predict": N_PREDICT, "ignore_eos": True,
             "temperature": 0, "cache_prompt": False, "n_probs": 2, "stream": True}
-    stream = RawStream(whole_pool.port, body, path="/completion")
+    stream = RawStream(merging_pool.port, body, path="/completion")
     try:
         slot = int(stream.header("X-Slot-Id"))
-        wait_paused(whole_pool, slot)
+        wait_paused(merging_pool, slot)
         *chunks, final = data_events(stream.read_to_end())
     finally:
         stream.close()
+    merging_pool.assert_whole()
     per_chunk = [len(c["tokens"]) for c in chunks]
     assert max(per_chunk) > 1, "the backlog went out one frame per event"
-    assert max(per_chunk) <= 64  # the frontend's --merge-waiting-frames
+    assert max(per_chunk) <= MERGE_FRAMES_MAX
     for chunk, n in zip(chunks, per_chunk):
         assert len(chunk["completion_probabilities"]) == n
     assert final["stop"] and final["tokens_predicted"] == N_PREDICT
@@ -53,7 +60,7 @@ def test_a_client_that_falls_behind_gets_its_backlog_in_fewer_events(whole_pool)
     assert len(streamed_ids) == N_PREDICT
 
     # The same job, not streamed, on the same slot: the same tokens and text.
-    whole = httpx.post(f"{whole_pool.url}/completion", timeout=120, json={
+    whole = httpx.post(f"{merging_pool.url}/completion", timeout=120, json={
         **body, "stream": False, "n_probs": 0, "return_tokens": True,
         "id_slot": slot}).json()
     assert streamed_ids == whole["tokens"]

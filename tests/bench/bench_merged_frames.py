@@ -5,9 +5,8 @@
 
 One broker, ``--workers`` synthetic workers (a stand-in engine with no
 model: this measures the frontend, not a model) and two frontends on that
-broker, both one gunicorn process: one at the default
-``--merge-waiting-frames`` (64), one at 1 (each frame its own event, as
-before). Each round runs the same load against one frontend, then the
+broker, both one gunicorn process: one at ``--merge-waiting-frames 64``,
+one at 1 (each frame its own event: the default). Each round runs the same load against one frontend, then the
 other, in interleaved rounds. Two loads:
 
 1. **Slow links**: ``--slow-clients`` clients, each reading its stream at
