@@ -91,8 +91,9 @@ bench-shapes: llama-server
 bench-direct-frames: llama-server
 	$(PY) -m tests.bench.bench_direct_frames $(BENCH_ARGS)
 
-# A frontend behind its workers: waiting frames merged into one event
-# against one event per frame (synthetic workers, no model).
+# Waiting frames merged into one event against one event per frame, for
+# clients on slow links and for a frontend behind its workers (synthetic
+# workers, no model).
 bench-merged-frames: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_merged_frames $(BENCH_ARGS)
 

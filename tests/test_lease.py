@@ -75,7 +75,6 @@ class LeaseMachine(RuleBasedStateMachine):
         # The model: frames the body has yet to read (the first is pending),
         # whether the body still reads, and what ended the job, in order.
         self.unread = ["token"]
-        self.merged_into_event = 0
         self.body_reads = True
         self.endings: list[str] = []
 
@@ -111,11 +110,10 @@ class LeaseMachine(RuleBasedStateMachine):
                 self.endings.append("terminal frame from the broker")
             else:
                 # The tokens queued behind it go out in the same event.
-                while (self.unread[:1] == ["token"]
-                       and self.merged_into_event < MERGE_FRAMES_MAX - 1):
+                merged = 1
+                while self.unread[:1] == ["token"] and merged < MERGE_FRAMES_MAX:
                     self.unread.pop(0)
-                    self.merged_into_event += 1
-                self.merged_into_event = 0
+                    merged += 1
                 self.body_reads = True
         try:
             event = next(self.body)
