@@ -28,6 +28,7 @@ import statistics
 from llamapool.loadgen import percentile
 from tests.bench import harness
 from tests.bench.bench_overhead import PROMPT as TTFT_PROMPT
+from tests.bench.bench_shapes import NO_REPACK
 from tests.bench.bench_throughput import PROMPT
 from tests.bench.otlp_sink import OtlpSink
 
@@ -45,8 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--threads", default="1",
                         help="the workers' --threads: a count, or auto")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="the pools' workers (up --workers)")
+    parser.add_argument("--slots-per-worker", type=int, default=1,
+                        help="each worker's batched slots (up's shape on AMX: "
+                             "--workers 1 --slots-per-worker 2 --threads 2)")
     parser.add_argument("--llama-server", action="store_true",
-                        help="run llama-server -np 2 -t 2 in the same rounds too")
+                        help="run llama-server -np 2 -t 2 in the same rounds "
+                             "too (--no-repack on AMX, as the workers there)")
     parser.add_argument("--duration", type=float, default=12.0,
                         help="seconds per pool per round")
     parser.add_argument("--rounds", type=int, default=12)
@@ -81,16 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     this = f"this checkout ({harness.checkout_commit('.')}{settings})"
     other = f"--before ({harness.checkout_commit(args.before)})"
     this_env = {**os.environ, **extra_env} if extra_env else None
+    shape = {"workers": args.workers, "threads": args.threads,
+             "slots_per_worker": args.slots_per_worker}
     starts = {
         # Both through ``checkout``, so that both import their code the same
         # way (working directory and PYTHONPATH).
-        this: lambda: harness.llamapool_up(model, workers=2, threads=args.threads,
-                                           checkout=os.getcwd(), env=this_env),
-        other: lambda: harness.llamapool_up(model, workers=2, threads=args.threads,
-                                            checkout=args.before),
+        this: lambda: harness.llamapool_up(model, **shape, checkout=os.getcwd(),
+                                           env=this_env),
+        other: lambda: harness.llamapool_up(model, **shape, checkout=args.before),
     }
     if args.llama_server:
-        starts[LLAMA_SERVER] = lambda: harness.llama_server(model, slots=2, n_threads=2)
+        starts[LLAMA_SERVER] = lambda: harness.llama_server(
+            model, slots=2, n_threads=2, extra=NO_REPACK)
     rates: dict[str, list[float]] = {name: [] for name in starts}
     ttfts: dict[str, list[float]] = {name: [] for name in starts}
     with contextlib.ExitStack() as stack:
@@ -108,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1}, tokens/s: {this} {rates[this][-1]:.1f}, "
                   f"{other} {rates[other][-1]:.1f}", flush=True)
     ratios = [a / b for a, b in zip(rates[this], rates[other])]
-    print(f"\n## {this} against {other}: --threads {args.threads}, "
+    print(f"\n## {this} against {other}: --workers {args.workers} "
+          f"--slots-per-worker {args.slots_per_worker} --threads {args.threads}, "
           f"concurrency {args.concurrency}, "
           f"{args.rounds} interleaved rounds ({os.path.basename(model)}, "
           f"{args.tokens} tokens, ignore_eos, {args.duration:.0f} s per pool per "

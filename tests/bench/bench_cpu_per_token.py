@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--threads", default="1", help="--threads for the workers")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--slots-per-worker", type=int, default=1,
+                        help="each worker's batched slots (up's "
+                             "--slots-per-worker; its shape on AMX: "
+                             "--workers 1 --slots-per-worker 2 --threads 2)")
     parser.add_argument("--floor", action="store_true",
                         help="measure tests/bench/floor_pool.py instead (the "
                              "pool's processes and hops, none of its code)")
@@ -108,8 +112,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{', frames straight to the frontend' if args.direct else ''})")
     else:
         server, url = harness.llamapool_up(model, workers=args.workers,
-                                           threads=args.threads, checkout=args.checkout)
+                                           threads=args.threads, checkout=args.checkout,
+                                           slots_per_worker=args.slots_per_worker)
         what = f"up --workers {args.workers} --threads {args.threads}"
+        if args.slots_per_worker != 1:
+            what += f" --slots-per-worker {args.slots_per_worker}"
         if args.checkout:
             what += f" at {harness.checkout_commit(args.checkout)}"
     try:
