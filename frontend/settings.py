@@ -134,17 +134,19 @@ class FrontendSettings:
         "frames read per credit return")
     #: TOKEN frames already waiting for a client that is behind, sent as
     #: one event (``frontend.frame_merge``); 1, the default: one event per
-    #: frame. Off by default because merged events are denser: a client
-    #: that stops reading then takes many more tokens into the socket
-    #: buffers before its worker pauses for credit, often the whole answer.
+    #: frame. Off by default until on has been through CI: merged events
+    #: are denser, so where the model outpaces the frontend a client that
+    #: stops reading takes more tokens into the socket buffers before its
+    #: worker pauses for credit (docs/operations.md, flow control).
     merge_waiting_frames: int = setting(
         1, "LLAMAPOOL_MERGE_WAITING_FRAMES", "waiting frames sent as one event",
         flag="--merge-waiting-frames", parse=positive_int,
         help="a stream whose client is behind gets up to N of the token "
              "frames waiting for it as one event (a client on a slow link "
-             "catches up; one that stops reading takes far more tokens "
-             "before its worker pauses); a client that keeps up gets each "
-             "token as it comes. 1 (default): one event per frame")
+             "catches up; where the model outpaces the frontend, one that "
+             "stops reading takes more tokens before its worker pauses); a "
+             "client that keeps up gets each token as it comes. 1 "
+             "(default): one event per frame")
     tokenizer_model: str = setting(
         "", "LLAMAPOOL_TOKENIZER_MODEL", "GGUF to count prompt tokens",
         flag="--model",

@@ -105,7 +105,13 @@ def test_refusals_are_counted_per_model(empty_pool):
     with httpx.stream("POST", empty_pool.url + "/v1/completions", json=LONG,
                       timeout=30) as held:
         assert held.status_code == 200
-        next(held.iter_lines())  # generating; the rest is left unread
+        # Generating; the rest is left unread. The iterator is kept: a
+        # temporary one, finalized at once, closes the connection under it
+        # (httpcore closes its stream on GeneratorExit), and the job then
+        # ended as a disconnect within a few tokens, so the slot showed busy
+        # only for as long as the scrape below happened to catch.
+        lines = held.iter_lines()
+        next(lines)
         refused = httpx.post(empty_pool.url + "/v1/completions",
                              json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
         assert refused.status_code == 503 and "Retry-After" in refused.headers

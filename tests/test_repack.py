@@ -21,6 +21,10 @@ pytestmark = pytest.mark.stack
 #: crash itself (``test_repack_on_crashes_in_the_warm_up_on_amx``).
 SERVING_SETTINGS = ["auto", "off"] if cpu_has_amx() else ["auto", "on", "off"]
 
+#: How the crash shows: the worker's exit and faulthandler's line for it.
+_FAULT_TEXT = {-signal.SIGSEGV: "Segmentation fault",
+               -signal.SIGILL: "Illegal instruction"}
+
 
 @pytest.mark.parametrize("setting", SERVING_SETTINGS)
 def test_each_repack_setting_answers_and_is_shown(tiny_model, tmp_path, setting):
@@ -55,9 +59,12 @@ def test_repack_on_crashes_in_the_warm_up_on_amx(tiny_model, tmp_path):
     finally:
         worker.stop()
     log = worker.log_path.read_text(errors="replace")
-    assert returncode == -signal.SIGSEGV, log[-4000:]
+    # The signal depends on the host: a segfault on issue 27's Xeons, an
+    # illegal instruction on 2026-12-07's (AMX enabled there: arch_prctl
+    # grants the tile state; which instruction faults was not traced).
+    assert returncode in _FAULT_TEXT, log[-4000:]
     assert "weight repacking on (--repack on)" in log
-    assert "Fatal Python error: Segmentation fault" in log
+    assert f"Fatal Python error: {_FAULT_TEXT[returncode]}" in log
     assert "in warm_up" in log and "in _load_and_warm_up" in log
     assert "READY" not in log
 
