@@ -10,10 +10,10 @@ a client reading 8 KiB/s). A client that keeps up never has a second
 frame waiting and gets each token the moment it arrives: this is vLLM's
 ``--stream-interval`` only while the client is behind, never a delay.
 
-Off unless ``--merge-waiting-frames`` asks: merged events are dense, so a
-client that stops reading takes many more tokens into the socket buffers
-before its worker pauses for credit (``frontend.sse``), often the whole
-answer.
+Off unless ``--merge-waiting-frames`` asks, until on has been through CI:
+merged events are dense, so where the model outpaces the frontend a client
+that stops reading takes more tokens into the socket buffers before its
+worker pauses for credit (docs/operations.md, flow control).
 
 Every shape a client sees takes a frame of several tokens already (the
 worker holds text back at a possible stop string and sends it as one

@@ -28,11 +28,9 @@ import statistics
 from llamapool.loadgen import percentile
 from tests.bench import harness
 from tests.bench.bench_overhead import PROMPT as TTFT_PROMPT
-from tests.bench.bench_shapes import NO_REPACK
+from tests.bench.bench_shapes import LLAMA_SERVER, NO_REPACK
 from tests.bench.bench_throughput import PROMPT
 from tests.bench.otlp_sink import OtlpSink
-
-LLAMA_SERVER = "llama-server -np 2 -t 2"
 
 
 def main(argv: list[str] | None = None) -> int:
