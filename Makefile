@@ -52,7 +52,8 @@ soak: $(STAMP_TEST)
 	bench-thread-stepdown llama-server bench-cpu-per-token \
 	bench-llama-details bench-embeddings bench-conversations bench-prompt-state \
 	bench-ttft-hops bench-rounds bench-ab bench-handoff bench-native-bias \
-	bench-repack bench-overload bench-shapes bench-direct-frames bench-merged-frames
+	bench-repack bench-overload bench-shapes bench-direct-frames bench-merged-frames \
+	bench-cpu-split
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -113,6 +114,9 @@ bench-repack: $(STAMP_TEST)
 
 bench-cpu-per-token: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_cpu_per_token $(BENCH_ARGS)
+
+bench-cpu-split: llama-server
+	$(PY) -m tests.bench.bench_cpu_split $(BENCH_ARGS)
 
 bench-thread-stepdown: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_thread_stepdown $(BENCH_ARGS)
