@@ -44,6 +44,7 @@ from collections import defaultdict
 from llamapool.pool_shape import pool_shape
 from tests.bench import harness
 from tests.bench.bench_shapes import LLAMA_SERVER, NO_REPACK
+from tests.pool import wait_until
 
 PROMPT = "Write a short story about a llama who learns to fly."
 
@@ -109,6 +110,14 @@ def measure(url: str, server_pid: int, args, work: str) -> tuple[dict, dict]:
         ["perf", "record", "-a", "-e", "cpu-clock", "-F", str(args.frequency),
          "-o", path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
+        # perf writes its file's header once its counters are open on every
+        # CPU: the load starts after that, so its first tokens are counted.
+        wait_until(lambda: perf.poll() is not None or (
+            os.path.exists(path) and os.path.getsize(path) > 0),
+            30, "perf record to start", interval_s=0.05)
+        if perf.poll() is not None:
+            raise SystemExit(f"perf record failed ({perf.returncode}): "
+                             f"{perf.stderr.read().decode()[-400:]}")
         report = harness.run_load(
             url, concurrency=args.concurrency, requests=args.requests,
             duration_s=None, max_tokens=args.tokens, prompt=PROMPT, ignore_eos=True)
