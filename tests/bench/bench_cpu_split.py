@@ -12,7 +12,8 @@ load are then split by process and by library:
 * ggml's CPU kernels (``libggml-cpu``): the model's compute;
 * OpenMP (``libgomp``): its barriers, where the compute threads spin;
 * ``libllama``: sampling, graph building, the KV cache;
-* Python, ZeroMQ's I/O threads, the kernel, anything else;
+* Python (the interpreter and its extension modules), ZeroMQ (its library
+  in the callers' threads, and its I/O threads), the kernel, anything else;
 * all of it within the server's processes, the client (this process), and
   other processes.
 
@@ -48,13 +49,16 @@ from tests.pool import wait_until
 
 PROMPT = "Write a short story about a llama who learns to fly."
 
-#: The library groups, in the order of the report (first match wins).
+#: The library groups, in the order of the report (first match wins), by
+#: the library's file name: its path will not do, since every library of
+#: the pool's virtualenv (ggml's, ZeroMQ's) lies under ``.../python3.11/``.
 LIBRARIES = (
-    ("ggml kernels", re.compile(r"libggml-cpu")),
-    ("OpenMP", re.compile(r"libgomp")),
-    ("libllama", re.compile(r"libllama")),
-    ("Python", re.compile(r"python|cpython|_ctypes|libffi|msgpack")),
-    ("kernel", re.compile(r"\[kernel")),
+    ("ggml kernels", re.compile(r"^libggml-cpu")),
+    ("OpenMP", re.compile(r"^libgomp")),
+    ("libllama", re.compile(r"^libllama")),
+    ("Python", re.compile(r"^libpython|\.cpython-|^libffi")),
+    ("ZeroMQ", re.compile(r"^libzmq")),
+    ("kernel", re.compile(r"^\[kernel")),
 )
 OTHER = "other"
 ZMQ_IO = "ZeroMQ I/O threads"
@@ -68,8 +72,9 @@ _SAMPLE = re.compile(r"^\s*(.*?)\s+(\d+)/\d+\s+[0-9a-f]+\s+\((.*)\)\s*$")
 def _group(comm: str, dso: str) -> str:
     if comm.startswith("ZMQbg"):
         return ZMQ_IO
+    library = os.path.basename(dso)
     for name, pattern in LIBRARIES:
-        if pattern.search(dso):
+        if pattern.search(library):
             return name
     return OTHER
 
