@@ -120,18 +120,18 @@ def measure(url: str, server_pid: int, args, work: str) -> tuple[dict, dict]:
         wait_until(lambda: perf.poll() is not None or (
             os.path.exists(path) and os.path.getsize(path) > 0),
             30, "perf record to start", interval_s=0.05)
-        if perf.poll() is not None:
-            raise SystemExit(f"perf record failed ({perf.returncode}): "
-                             f"{perf.stderr.read().decode()[-400:]}")
-        report = harness.run_load(
-            url, concurrency=args.concurrency, requests=args.requests,
-            duration_s=None, max_tokens=args.tokens, prompt=PROMPT, ignore_eos=True)
+        started = perf.poll() is None
+        if started:
+            report = harness.run_load(
+                url, concurrency=args.concurrency, requests=args.requests,
+                duration_s=None, max_tokens=args.tokens, prompt=PROMPT,
+                ignore_eos=True)
     finally:
         perf.send_signal(signal.SIGINT)
         _, err = perf.communicate(timeout=60)
-    if perf.returncode not in (0, -signal.SIGINT):
+    if not started or perf.returncode not in (0, -signal.SIGINT):
         raise SystemExit(f"perf record failed ({perf.returncode}): {err.decode()[-400:]}")
-    pids = set(harness.process_tree(server_pid)) | {server_pid}
+    pids = set(harness.process_tree(server_pid))
     return report, split(perf_samples(path), pids, os.getpid())
 
 
@@ -149,23 +149,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=shape.workers)
     parser.add_argument("--slots-per-worker", type=int, default=shape.slots_per_worker)
     parser.add_argument("--threads", default=None,
-                        help="the workers' --threads (default: all cores for a "
-                             "batched worker, auto otherwise, as up picks)")
+                        help="the workers' --threads (default: up's own)")
     args = parser.parse_args(argv)
     if shutil.which("perf") is None:
         print("bench-cpu-split needs perf (Debian: apt install linux-perf)",
               file=sys.stderr)
         return 2
     model = harness.model_path(args.model)
-    threads = args.threads or (str(os.cpu_count() or 1) if args.slots_per_worker > 1
-                               else "auto")
     pool = (f"llamapool up --workers {args.workers} --slots-per-worker "
-            f"{args.slots_per_worker} --threads {threads}")
-    cores = os.cpu_count() or 1
+            f"{args.slots_per_worker}"
+            + (f" --threads {args.threads}" if args.threads else ""))
     starts = {
-        pool: lambda: harness.llamapool_up(model, workers=args.workers, threads=threads,
+        pool: lambda: harness.llamapool_up(model, workers=args.workers,
+                                           threads=args.threads,
                                            slots_per_worker=args.slots_per_worker),
-        LLAMA_SERVER: lambda: harness.llama_server(model, slots=2, n_threads=cores,
+        LLAMA_SERVER: lambda: harness.llama_server(model, slots=2, n_threads=2,
                                                    extra=NO_REPACK),
     }
     per_token: dict[str, list[dict[str, float]]] = {name: [] for name in starts}

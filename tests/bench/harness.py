@@ -210,11 +210,12 @@ class Server:
         self.stop()
 
 
-def llamapool_up(model: str, workers: int, threads: int | str, *, ctx: int = 2048,
+def llamapool_up(model: str, workers: int, threads: int | str | None, *, ctx: int = 2048,
                  extra: tuple[str, ...] = (), env: dict | None = None,
                  checkout: str | None = None,
                  slots_per_worker: int = 1) -> tuple[Server, str]:
     """``llamapool up`` on a free port; returns the server and its base URL.
+    ``threads``: the workers' ``--threads``; None: ``up``'s own default.
     ``slots_per_worker``: each worker's batched slots (``--slots-per-worker``).
     ``env``: the whole environment of the pool's processes (default: ours).
     ``checkout``: run the llamapool code of that directory (another commit
@@ -228,8 +229,10 @@ def llamapool_up(model: str, workers: int, threads: int | str, *, ctx: int = 204
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "llamapool", "--log-level", "warning", "up",
-            "--model", model, "--workers", str(workers), "--threads", str(threads),
+            "--model", model, "--workers", str(workers),
             "--ctx", str(ctx), "--port", str(port), *extra]
+    if threads is not None:
+        argv += ["--threads", str(threads)]
     if slots_per_worker != 1:
         argv += ["--slots-per-worker", str(slots_per_worker)]
     server = Server("llamapool-up", argv, url + "/health", env=env, cwd=checkout)
