@@ -53,7 +53,7 @@ soak: $(STAMP_TEST)
 	bench-llama-details bench-embeddings bench-conversations bench-prompt-state \
 	bench-ttft-hops bench-rounds bench-ab bench-handoff bench-native-bias \
 	bench-repack bench-overload bench-shapes bench-direct-frames bench-merged-frames \
-	bench-cpu-split
+	bench-cpu-split bench-sampling
 
 bench-overhead: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_overhead $(BENCH_ARGS)
@@ -117,6 +117,11 @@ bench-cpu-per-token: $(STAMP_TEST)
 
 bench-cpu-split: llama-server
 	$(PY) -m tests.bench.bench_cpu_split $(BENCH_ARGS)
+
+# A batched step's sampling, three ways (serial, threads, llama.cpp's
+# backend sampling), in one process, on this CPU.
+bench-sampling: $(STAMP_TEST)
+	$(PY) -m tests.bench.bench_sampling $(BENCH_ARGS)
 
 bench-thread-stepdown: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_thread_stepdown $(BENCH_ARGS)
