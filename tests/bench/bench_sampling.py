@@ -43,13 +43,14 @@ def _run(model: str, n_slots: int, n_threads: int, prompt: str, n_tokens: int,
     from protocol import messages
     from protocol.payloads import COMPLETION, GenerationRequest, Sampling
     from workers.model.active_job import ActiveJob
+    from workers.model import llama_internals
     from workers.model.batched_engine import BatchedEngine
     from workers.model.settings import WorkerSettings
     from workers.model.weight_repack import repack_enabled
 
     engine = BatchedEngine(model, n_slots=n_slots, n_threads=n_threads,
                            flash_attn=flash_attn, repack=repack_enabled("auto"))
-    ctx = engine._ctx
+    ctx = llama_internals.context_handle(engine.llama)
     settings = WorkerSettings(broker_endpoint="ipc:///nobody", n_slots=n_slots)
     helpers = ThreadPoolExecutor(max_workers=max(1, n_slots - 1))
 
