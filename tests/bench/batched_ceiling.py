@@ -14,10 +14,9 @@ between jobs.
 
 from __future__ import annotations
 
-import argparse
-import multiprocessing
 import time
 
+from tests.bench import harness
 from tests.bench.harness import POOL_FLASH_ATTN
 
 
@@ -63,30 +62,16 @@ def batched_generate(model: str, n_slots: int, n_threads: int, prompt: str,
                      n_tokens: int, reps: int, *,
                      flash_attn: bool = POOL_FLASH_ATTN) -> dict:
     """Tokens/s of the bare loop, and its decode and sampling ms per step."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    child = ctx.Process(target=_loop, args=(model, n_slots, n_threads, prompt,
-                                            n_tokens, reps, flash_attn, results))
-    child.start()
-    outcome = results.get(timeout=3600)
-    child.join()
-    return outcome
+    return harness.in_child(_loop, model, n_slots, n_threads, prompt, n_tokens,
+                            reps, flash_attn)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
-    from tests.bench import harness
     from tests.bench.bench_throughput import PROMPT
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--slots", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser = harness.batched_engine_parser(__doc__)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=4)
-    parser.add_argument("--flash-attn", choices=("on", "off"),
-                        default="on" if POOL_FLASH_ATTN else "off")
     args = parser.parse_args(argv)
     print(batched_generate(args.model or harness.default_model(), args.slots,
                            args.threads, PROMPT, args.tokens, args.reps,

@@ -25,13 +25,11 @@ ways spend differently.
 
 from __future__ import annotations
 
-import argparse
-import multiprocessing
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.bench.harness import POOL_FLASH_ATTN
+from tests.bench import harness
 
 WAYS = ("serial", "threads", "backend")
 
@@ -117,30 +115,16 @@ def _run(model: str, n_slots: int, n_threads: int, prompt: str, n_tokens: int,
 def measure(model: str, n_slots: int, n_threads: int, prompt: str,
             n_tokens: int, rounds: int, flash_attn: bool) -> dict:
     """Each way's medians, in a child process (its own llama.cpp threads)."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    child = ctx.Process(target=_run, args=(model, n_slots, n_threads, prompt,
-                                           n_tokens, rounds, flash_attn, results))
-    child.start()
-    outcome = results.get(timeout=3600)
-    child.join()
-    return outcome
+    return harness.in_child(_run, model, n_slots, n_threads, prompt, n_tokens,
+                            rounds, flash_attn)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
-    from tests.bench import harness
     from tests.bench.bench_throughput import PROMPT
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--slots", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser = harness.batched_engine_parser(__doc__)
     parser.add_argument("--tokens", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--flash-attn", choices=("on", "off"),
-                        default="on" if POOL_FLASH_ATTN else "off")
     args = parser.parse_args(argv)
     outcome = measure(args.model or harness.default_model(), args.slots,
                       args.threads, PROMPT, args.tokens, args.rounds,

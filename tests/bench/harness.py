@@ -475,6 +475,32 @@ def _generate_in_child(model: str, n_threads: int, prompt: str, n_tokens: int,
     results.put((tokens, reps, time.perf_counter() - started))
 
 
+def in_child(target, *args):
+    """``target(*args, results)`` in a spawned process (its own llama.cpp
+    threads, none of ours); returns what it put in ``results``."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=target, args=(*args, results))
+    child.start()
+    outcome = results.get(timeout=3600)
+    child.join()
+    return outcome
+
+
+def batched_engine_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a benchmark of the batched engine in process: the
+    model, its slots, threads and flash attention."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--flash-attn", choices=("on", "off"),
+                        default="on" if POOL_FLASH_ATTN else "off")
+    return parser
+
+
 def parallel_generate(model: str, processes: int, n_threads: int, prompt: str,
                       n_tokens: int, reps: int, *,
                       flash_attn: bool = POOL_FLASH_ATTN) -> dict:
