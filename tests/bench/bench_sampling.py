@@ -7,8 +7,10 @@ token each per step, as the worker's decode loop does, and samples each
 with the chain a seeded request of default sampling gets
 (``engine.start``). The rounds alternate between three ways to sample:
 
-* ``serial``: each slot's chain in turn on the decoding thread, as the
-  worker does (and llama-server);
+* ``serial``: each slot's chain in turn on the decoding thread, on the
+  whole vocabulary (``llama_sampler_sample``), as llama-server does;
+* ``shortlist``: the same, each chain on a shortlist of its logits where
+  that gives the same token (``shortlist_sampling``), as the worker does;
 * ``threads``: each slot's chain on its own thread at once (the context's
   logits synchronised first), on the cores that decoded;
 * ``backend``: each sequence's chain handed to llama.cpp
@@ -31,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tests.bench import harness
 
-WAYS = ("serial", "threads", "backend")
+WAYS = ("serial", "shortlist", "threads", "backend")
 
 
 def _run(model: str, n_slots: int, n_threads: int, prompt: str, n_tokens: int,
@@ -57,6 +59,8 @@ def _run(model: str, n_slots: int, n_threads: int, prompt: str, n_tokens: int,
         return llama_cpp.llama_sampler_sample(slot.sampler.sampler, ctx, index)
 
     def sample(way: str, pairs) -> list[int]:
+        if way == "shortlist":
+            return [engine.sample(slot, index) for slot, index in pairs]
         if way != "threads" or len(pairs) == 1:
             return [sample_one(pair) for pair in pairs]
         # Synchronise and reorder the outputs once, before the chains read

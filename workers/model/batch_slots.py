@@ -37,7 +37,7 @@ class SlotJob:
         prompt: its prompt tokens (never empty).
         stops: every stop string (the request's and the chat format's).
         max_tokens: tokens it may generate (``engine.token_budget``).
-        sampler: its own sampler chain (``_internals.LlamaSampler``), freed
+        sampler: its own sampler chain (``ShortlistSampler``), freed
             with ``close``.
         logits: its logits processors (``job_sampling.request_logits``),
             which ``sampler`` runs first; closed with ``close``.

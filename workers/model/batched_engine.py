@@ -221,7 +221,7 @@ class BatchedEngine:
     def sample(self, slot: SlotJob, index: int) -> int:
         """Sample slot's next token from the logits at batch ``index`` (its
         chain accepts the token, for its penalties)."""
-        return llama_cpp.llama_sampler_sample(slot.sampler.sampler, self._ctx, index)
+        return slot.sampler.sample_at(self._ctx, index)
 
     def forget(self, seq: int) -> None:
         """Empty sequence ``seq``: a failed decode left it unknown."""

@@ -15,11 +15,17 @@ override of ``Llama``'s own methods: ``native_bias.LogitBiasLlama``
 
 from __future__ import annotations
 
+import inspect
+
 import llama_cpp
 from llama_cpp import _internals
 
 from workers.model.native_bias import LogitBiasLlama
+from workers.model.shortlist_sampling import ShortlistSampler, shortlist_k
 from workers.model.weight_repack import repack_enabled
+
+#: What ``Llama._init_sampler`` takes, with its defaults.
+_INIT_SAMPLER = inspect.signature(llama_cpp.Llama._init_sampler)
 
 #: The wrappers of a model, a context and a batch (for type hints).
 LlamaModel = _internals.LlamaModel
@@ -33,7 +39,10 @@ class EngineLlama(LogitBiasLlama):
     constructor has no argument for. It builds ``model_params`` and loads
     the model in one call, so the field is set as the params are assigned,
     before the load reads them. Left out, it is what ``--repack auto``
-    chooses for this CPU (off on AMX, whose repacked Q4 kernel crashes)."""
+    chooses for this CPU (off on AMX, whose repacked Q4 kernel crashes).
+
+    Its sampler chains sample from a shortlist of the logits where that
+    picks the same token (``shortlist_sampling``)."""
 
     def __init__(self, *args, use_extra_bufts: bool | None = None,
                  **kwargs) -> None:
@@ -41,6 +50,24 @@ class EngineLlama(LogitBiasLlama):
             use_extra_bufts = repack_enabled("auto").enabled
         self._use_extra_bufts = use_extra_bufts
         super().__init__(*args, **kwargs)
+
+    def _init_sampler(self, **sampling):
+        """The chain ``Llama`` makes, sampling from a shortlist of the
+        logits where its settings allow (``shortlist_sampling``)."""
+        chain = super()._init_sampler(**sampling)
+        given = _INIT_SAMPLER.bind(self, **sampling)
+        given.apply_defaults()  # llama-cpp-python's own defaults
+        settings = given.arguments
+        k = shortlist_k(
+            temp=settings["temp"], top_k=settings["top_k"],
+            repeat_penalty=settings["repeat_penalty"],
+            frequency_penalty=settings["frequency_penalty"],
+            presence_penalty=settings["presence_penalty"],
+            mirostat_mode=settings["mirostat_mode"],
+            has_processors=bool(settings["logits_processor"]),
+            grammar=settings["grammar"], n_biased=len(self.logit_bias))
+        return ShortlistSampler(chain, n_vocab=self.n_vocab(), k=k,
+                                bias=self.logit_bias)
 
     @property
     def model_params(self):
