@@ -7,9 +7,10 @@ the 0.5-0.9 ms a token's sampling costs, in series with the decode
 (docs/benchmarks/31-sampling-and-a-a-runs.md). llama-server pays the same.
 
 For a chain whose first real choice is top-k (or greedy), the tokens far
-below the best logit cannot matter: top-k never keeps them. ``ShortlistSampler``
-finds the best logit with NumPy, hands the chain only the tokens within a
-margin of it (plus any token the logit bias moves), and lets the very same
+below the k-th best logit cannot matter: top-k never keeps them.
+``ShortlistSampler`` picks a threshold (a few logits below the last step's
+k-th best, or below this step's best), hands the chain only the tokens at
+or above it (plus any token the logit bias moves), and lets the very same
 chain (bias, penalties, top-k, typical, top-p, min-p, temperature, the
 seeded draw) run on those. The token, and the chain's state after it, are
 the full path's whenever:
@@ -19,8 +20,11 @@ the full path's whenever:
 - the k + 1 best values on the shortlist are distinct (top-k only: its
   partial sort orders equal logits by where they sit in the array, which a
   shortlist changes); greedy takes the first best in id order, as the
-  shortlist keeps them;
-- no logit is NaN or infinite at the top.
+  shortlist keeps them.
+
+A NaN logit is never shortlisted (it compares false); llama.cpp's sort of
+one is undefined, so there the two paths may differ, and only there. A
+step that looks for the best logit and finds it NaN or infinite falls back.
 
 Otherwise, and for every chain whose first choice sees the whole
 vocabulary (Python logits processors: log-probabilities, a grammar, bans
@@ -221,6 +225,8 @@ class ShortlistSampler:
         self._data_logits[:n] = raw
         self._data_p[:n] = 0.0
         cur = self._cur
+        # A sampler may point the array at a buffer of its own.
+        cur.data = self._data_pointer
         cur.size = n
         cur.selected = -1
         cur.sorted = False
@@ -239,5 +245,5 @@ class ShortlistSampler:
         self._data_ids = self._data["id"]
         self._data_logits = self._data["logit"]
         self._data_p = self._data["p"]
-        self._cur.data = self._data.ctypes.data_as(
+        self._data_pointer = self._data.ctypes.data_as(
             ctypes.POINTER(llama_cpp.llama_token_data))
