@@ -118,8 +118,8 @@ bench-cpu-per-token: $(STAMP_TEST)
 bench-cpu-split: llama-server
 	$(PY) -m tests.bench.bench_cpu_split $(BENCH_ARGS)
 
-# A batched step's sampling, three ways (serial, threads, llama.cpp's
-# backend sampling), in one process, on this CPU.
+# A batched step's sampling, four ways (the whole vocabulary, the worker's
+# shortlist, threads, llama.cpp's backend sampling), in one process.
 bench-sampling: $(STAMP_TEST)
 	$(PY) -m tests.bench.bench_sampling $(BENCH_ARGS)
 

@@ -1,11 +1,11 @@
-"""What sampling costs a batched step, and three ways to do it, in one process.
+"""What sampling costs a batched step, and four ways to do it, in one process.
 
     make bench-sampling   # or: python -m tests.bench.bench_sampling
 
 The batched worker's engine (``BatchedEngine``) decodes K sequences one
 token each per step, as the worker's decode loop does, and samples each
 with the chain a seeded request of default sampling gets
-(``engine.start``). The rounds alternate between three ways to sample:
+(``engine.start``). The rounds alternate between four ways to sample:
 
 * ``serial``: each slot's chain in turn on the decoding thread, on the
   whole vocabulary (``llama_sampler_sample``), as llama-server does;
@@ -21,8 +21,8 @@ with the chain a seeded request of default sampling gets
 Per way: the median ms per step of the decode and of the sampling, output
 tokens/s, and whether every token equals ``serial``'s (the same seeds).
 With Gemma 3's 262,144-token vocabulary, sampling on the CPU builds a
-candidate for every token before top-k cuts it down; that is what the three
-ways spend differently.
+candidate for every token before top-k cuts it down (but ``shortlist``);
+that is what the four ways spend differently.
 """
 
 from __future__ import annotations
