@@ -51,11 +51,11 @@ class EngineLlama(LogitBiasLlama):
         self._use_extra_bufts = use_extra_bufts
         super().__init__(*args, **kwargs)
 
-    def _init_sampler(self, **sampling):
+    def _init_sampler(self, *args, **sampling):
         """The chain ``Llama`` makes, sampling from a shortlist of the
         logits where its settings allow (``shortlist_sampling``)."""
-        chain = super()._init_sampler(**sampling)
-        given = _INIT_SAMPLER.bind(self, **sampling)
+        chain = super()._init_sampler(*args, **sampling)
+        given = _INIT_SAMPLER.bind(self, *args, **sampling)
         given.apply_defaults()  # llama-cpp-python's own defaults
         settings = given.arguments
         k = shortlist_k(
