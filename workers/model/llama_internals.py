@@ -8,8 +8,9 @@ and a batch. They are private and change between releases, so they are
 reached only through this module, and so is the engine's ``Llama``
 subclass (``EngineLlama``), which depends on the order ``Llama.__init__``
 builds and reads its model parameters in. Upgrading the pinned version
-(0.3.36, ``pyproject.toml``) means checking this file, plus the one other
-override of ``Llama``'s own methods: ``native_bias.LogitBiasLlama``
+(0.3.36, ``pyproject.toml``) means checking this file (``EngineLlama``
+wraps ``_init_sampler``'s chains and reads its defaults), plus the one
+other override of ``Llama``'s own methods: ``native_bias.LogitBiasLlama``
 (``_init_sampler``), which ``EngineLlama`` builds on.
 """
 

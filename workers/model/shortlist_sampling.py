@@ -26,6 +26,11 @@ A NaN logit is never shortlisted (it compares false); llama.cpp's sort of
 one is undefined, so there the two paths may differ, and only there. A
 step that looks for the best logit and finds it NaN or infinite falls back.
 
+These rest on how the vendored llama.cpp's samplers treat a candidate
+array (top-k's partial sort, the logit-bias sampler's search by id);
+``tests/test_shortlist_sampling.py`` compares the two paths token by
+token, so a llama.cpp that changes them fails there.
+
 Otherwise, and for every chain whose first choice sees the whole
 vocabulary (Python logits processors: log-probabilities, a grammar, bans
 that could leave nothing; repetition penalties; mirostat; top-k off; a
