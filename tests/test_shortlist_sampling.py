@@ -178,17 +178,16 @@ def test_a_flat_distribution_widens_or_falls_back_and_agrees():
 def test_only_chains_whose_first_choice_is_top_k_or_greedy_are_shortlisted():
     plain = {"temp": 0.8, "top_k": 40, "repeat_penalty": 1.0,
              "frequency_penalty": 0.0, "presence_penalty": 0.0,
-             "mirostat_mode": 0, "has_processors": False, "grammar": None,
-             "n_biased": 3}
-    assert shortlist_k(**plain) == 40
-    assert shortlist_k(**{**plain, "temp": 0.0, "top_k": 0}) == 1
-    for change in ({"has_processors": True}, {"grammar": object()},
+             "mirostat_mode": 0, "logits_processor": None, "grammar": None}
+    assert shortlist_k(plain, n_biased=3) == 40
+    assert shortlist_k({**plain, "temp": 0.0, "top_k": 0}, n_biased=3) == 1
+    assert shortlist_k(plain, n_biased=shortlist_sampling.MAX_SHORTLIST_BIAS + 1) is None
+    for change in ({"logits_processor": [print]}, {"grammar": object()},
                    {"repeat_penalty": 1.1}, {"frequency_penalty": 0.5},
                    {"presence_penalty": -0.5}, {"mirostat_mode": 2},
                    {"top_k": 0}, {"top_k": shortlist_sampling.MAX_SHORTLIST_K + 1},
-                   {"temp": -1.0},
-                   {"n_biased": shortlist_sampling.MAX_SHORTLIST_BIAS + 1}):
-        assert shortlist_k(**{**plain, **change}) is None, change
+                   {"temp": -1.0}):
+        assert shortlist_k({**plain, **change}, n_biased=3) is None, change
 
 
 # --- through the engines, on real models ------------------------------------------

@@ -58,15 +58,7 @@ class EngineLlama(LogitBiasLlama):
         chain = super()._init_sampler(*args, **sampling)
         given = _INIT_SAMPLER.bind(self, *args, **sampling)
         given.apply_defaults()  # llama-cpp-python's own defaults
-        settings = given.arguments
-        k = shortlist_k(
-            temp=settings["temp"], top_k=settings["top_k"],
-            repeat_penalty=settings["repeat_penalty"],
-            frequency_penalty=settings["frequency_penalty"],
-            presence_penalty=settings["presence_penalty"],
-            mirostat_mode=settings["mirostat_mode"],
-            has_processors=bool(settings["logits_processor"]),
-            grammar=settings["grammar"], n_biased=len(self.logit_bias))
+        k = shortlist_k(given.arguments, n_biased=len(self.logit_bias))
         return ShortlistSampler(chain, n_vocab=self.n_vocab(), k=k,
                                 bias=self.logit_bias)
 

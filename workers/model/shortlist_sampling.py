@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import llama_cpp
 import numpy as np
-from llama_cpp import _internals
 
 #: The largest top-k sampled from a shortlist; beyond it the shortlist
 #: would be a large part of the vocabulary anyway.
@@ -72,19 +73,20 @@ _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float3
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
 
 
-def shortlist_k(*, temp: float, top_k: int, repeat_penalty: float,
-                frequency_penalty: float, presence_penalty: float,
-                mirostat_mode: int, has_processors: bool, grammar,
-                n_biased: int) -> int | None:
-    """How many tokens a chain of these settings keeps first (1 for
-    greedy), or None where its first choice needs the whole vocabulary."""
-    if has_processors or grammar is not None or mirostat_mode:
+def shortlist_k(sampling: Mapping[str, Any], n_biased: int) -> int | None:
+    """How many tokens a chain keeps first (1 for greedy), or None where its
+    first choice needs the whole vocabulary. ``sampling``: the arguments of
+    llama-cpp-python's ``Llama._init_sampler``, its defaults filled in;
+    ``n_biased``: the tokens llama.cpp's logit-bias sampler changes."""
+    if (sampling["logits_processor"] or sampling["grammar"] is not None
+            or sampling["mirostat_mode"]):
         return None
-    if (repeat_penalty != 1.0 or frequency_penalty != 0.0
-            or presence_penalty != 0.0):
+    if (sampling["repeat_penalty"] != 1.0 or sampling["frequency_penalty"] != 0.0
+            or sampling["presence_penalty"] != 0.0):
         return None
     if n_biased > MAX_SHORTLIST_BIAS:
         return None
+    temp, top_k = sampling["temp"], sampling["top_k"]
     if temp == 0.0:
         return 1
     if temp > 0.0 and 0 < top_k <= MAX_SHORTLIST_K:
@@ -93,20 +95,20 @@ def shortlist_k(*, temp: float, top_k: int, repeat_penalty: float,
 
 
 class ShortlistSampler:
-    """A llama-cpp-python sampler chain (``_internals.LlamaSampler``, owned)
-    that samples from a shortlist where ``k`` (``shortlist_k``) allows.
+    """A llama-cpp-python sampler chain (its ``LlamaSampler``, owned) that
+    samples from a shortlist where ``k`` (``shortlist_k``) allows.
 
-    ``sample`` is the chain's own (``Llama.generate`` calls it); ``sample_at``
-    takes the raw context handle (the batched engine's)."""
+    ``sample`` stands in for the chain's own (``Llama.generate`` calls it);
+    ``sample_at`` takes the raw context handle (the batched engine's)."""
 
-    def __init__(self, chain: _internals.LlamaSampler, *, n_vocab: int,
-                 k: int | None, bias: dict[int, float]) -> None:
+    def __init__(self, chain, *, n_vocab: int, k: int | None,
+                 bias: dict[int, float]) -> None:
         self.chain = chain
         self.k = k
         self._n_vocab = n_vocab
         self._next_threshold: float | None = None
-        #: Steps sampled from a shortlist, and from the whole vocabulary.
-        self.shortlisted = self.full = 0
+        #: Steps sampled from a shortlist.
+        self.shortlisted = 0
         if k is not None:
             self._above = np.empty(n_vocab, dtype=bool)
             order = sorted(bias)
@@ -117,24 +119,17 @@ class ShortlistSampler:
             self._data = np.empty(0, dtype=_TOKEN_DATA)
             self._reserve(max(k + 1, 256))
 
-    # The chain's own interface, as llama-cpp-python and the engines use it.
+    # What llama-cpp-python and the engines use of the chain.
 
     @property
     def sampler(self):
+        """The ``llama_sampler *`` of the chain."""
         return self.chain.sampler
 
-    @property
-    def custom_samplers(self):
-        return self.chain.custom_samplers
-
-    def sample(self, ctx: _internals.LlamaContext, idx: int = -1) -> int:
+    def sample(self, ctx, idx: int = -1) -> int:
+        """``LlamaSampler.sample``: ``ctx`` is llama-cpp-python's context
+        wrapper."""
         return self.sample_at(ctx.ctx, idx)
-
-    def accept(self, token: int) -> None:
-        self.chain.accept(token)
-
-    def reset(self) -> None:
-        self.chain.reset()
 
     def close(self) -> None:
         self.chain.close()
@@ -151,7 +146,6 @@ class ShortlistSampler:
                     np.ctypeslib.as_array(pointer, shape=(self._n_vocab,)))
                 if token is not None:
                     return token
-        self.full += 1
         return llama_cpp.llama_sampler_sample(self.chain.sampler, ctx, idx)
 
     def sample_logits(self, logits: np.ndarray) -> int | None:
